@@ -1,0 +1,1 @@
+"""Code shared by every pagedserve component: frozen config, typed messages, ZeroMQ queues."""

@@ -1,0 +1,148 @@
+"""scheduler <-> blockmgr: one batched request per scheduler step.
+
+The scheduler sends a ``StepRequest`` holding every memory operation of the
+step, in the order they must be applied (frees first, then appends of running
+sequences oldest first, then admissions in FCFS order). The blockmgr applies
+them in order and answers one ``StepReply`` with a ``SeqResult`` per op that
+touched a sequence's block table, the copy-on-write copies and the swap
+mappings the worker must execute before the forward pass.
+
+An op that cannot get memory changes nothing and answers ``no_room``; once
+one op has answered ``no_room``, every later ``Allocate`` and ``SwapIn`` in
+the same request answers ``no_room`` too, so FCFS order is kept.
+"""
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class Allocate(msgspec.Struct, tag=1, array_like=True):
+    """Admit a new sequence. Reuses the cached full-block prefix of
+    ``token_ids`` (never the whole prompt: the last token is always computed),
+    then allocates blocks for ``num_new_tokens`` more tokens, capped at the
+    prompt's end. ``token_ids`` is the whole prompt (hashing needs it)."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_new_tokens: int
+    cache_salt: str | None = None
+
+
+class Append(msgspec.Struct, tag=2, array_like=True):
+    """Reserve slots for ``token_ids``, the next tokens whose K/V this step
+    writes (a prefill chunk, or the last sampled token). Allocates a block
+    only when the last one is full; copies-on-write a shared last block."""
+
+    seq_id: int
+    token_ids: list[int]
+
+
+class Free(msgspec.Struct, tag=3, array_like=True):
+    """Drop the sequence's block table (GPU or CPU) and its references."""
+
+    seq_id: int
+
+
+class Fork(msgspec.Struct, tag=4, array_like=True):
+    """The child shares every block of the parent (ref counts go up)."""
+
+    parent_seq_id: int
+    child_seq_id: int
+
+
+class SwapOut(msgspec.Struct, tag=5, array_like=True):
+    """Move a whole sequence group to CPU blocks; shared blocks move once."""
+
+    seq_ids: list[int]
+
+
+class SwapIn(msgspec.Struct, tag=6, array_like=True):
+    """Move a swapped-out group back to GPU blocks."""
+
+    seq_ids: list[int]
+
+
+Op = Allocate | Append | Free | Fork | SwapOut | SwapIn
+
+
+class StepRequest(msgspec.Struct, tag=10, array_like=True):
+    ops: list[Op]
+
+
+class InitRequest(msgspec.Struct, tag=11, array_like=True):
+    """Sent once by the scheduler after the worker has sized the KV pool."""
+
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+
+
+class StatsRequest(msgspec.Struct, tag=12, array_like=True):
+    pass
+
+
+class ResetRequest(msgspec.Struct, tag=13, array_like=True):
+    """Frees everything (tests and benchmarks reuse one process)."""
+
+
+Request = StepRequest | InitRequest | StatsRequest | ResetRequest
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    NO_ROOM = 1
+
+
+class SeqResult(msgspec.Struct, array_like=True):
+    """How one op changed one sequence's GPU block table.
+
+    The table from index ``table_start`` on is replaced by ``block_ids``
+    (appended blocks; or, for copy-on-write, the new last block; or, after a
+    swap-in or fork, the whole table)."""
+
+    seq_id: int
+    status: Status
+    table_start: int = 0
+    block_ids: list[int] = []
+    num_cached_tokens: int = 0  # Allocate: prompt tokens found in the prefix cache
+    num_scheduled_tokens: int = 0  # Allocate/Append: tokens given slots this step
+
+
+class BlockStats(msgspec.Struct, tag=20, array_like=True):
+    num_gpu_blocks: int
+    num_free_gpu_blocks: int  # includes cached blocks with ref count 0 (evictable)
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    num_seqs: int
+    prefix_cache_queries: int = 0  # blocks looked up
+    prefix_cache_hits: int = 0  # blocks found
+    num_shared_block_refs: int = 0  # references beyond the first: blocks saved by sharing
+
+    @property
+    def gpu_usage(self) -> float:
+        if self.num_gpu_blocks == 0:
+            return 0.0
+        return 1.0 - self.num_free_gpu_blocks / self.num_gpu_blocks
+
+
+class StepReply(msgspec.Struct, tag=21, array_like=True):
+    results: list[SeqResult]
+    copies: list[tuple[int, int]]  # copy-on-write (src_gpu_block, dst_gpu_block)
+    swap_out: list[tuple[int, int]]  # (gpu_block, cpu_block)
+    swap_in: list[tuple[int, int]]  # (cpu_block, gpu_block)
+    stats: BlockStats
+
+
+class ErrorReply(msgspec.Struct, tag=22, array_like=True):
+    message: str
+
+
+class Ack(msgspec.Struct, tag=23, array_like=True):
+    pass
+
+
+Reply = StepReply | BlockStats | ErrorReply | Ack

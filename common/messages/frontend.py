@@ -1,0 +1,76 @@
+"""frontend <-> scheduler.
+
+The frontend pushes requests; the scheduler pushes one ``Outputs`` batch per
+step with the new tokens of every request that produced any.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from pagedserve.common.messages.types import ModelInfo, SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag=50, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+class AbortRequest(msgspec.Struct, tag=51, array_like=True):
+    request_ids: list[str]
+
+
+class InfoQuery(msgspec.Struct, tag=52, array_like=True):
+    """Asks for an ``EngineInfo`` (answered once the engine is ready)."""
+
+    query_id: int
+
+
+class StatsQuery(msgspec.Struct, tag=53, array_like=True):
+    query_id: int
+
+
+Request = AddRequest | AbortRequest | InfoQuery | StatsQuery
+
+
+class TokenDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    index: int  # which of the request's n outputs
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    error: str | None = None
+
+
+class Outputs(msgspec.Struct, tag=60, array_like=True):
+    deltas: list[TokenDelta]
+
+
+class EngineInfo(msgspec.Struct, tag=61, array_like=True):
+    query_id: int
+    model: ModelInfo
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+class EngineStats(msgspec.Struct, tag=62, array_like=True):
+    query_id: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_gpu_blocks: int
+    num_free_gpu_blocks: int
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_steps: int
+
+
+Reply = Outputs | EngineInfo | EngineStats

@@ -1,0 +1,43 @@
+"""Value types that travel on more than one channel."""
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """Engine-side sampling parameters; the frontend validates them first."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = {}
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class ModelInfo(msgspec.Struct, frozen=True, array_like=True):
+    """What the worker learned from the checkpoint, passed up to everyone."""
+
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    device: str

@@ -1,0 +1,99 @@
+"""scheduler <-> gpuworker.
+
+Per-sequence state is sent once (``NewSeq``), then each step carries only what
+changed: block-table diffs and how many tokens to compute, as in vLLM v1. The
+worker keeps every sequence's token ids and appends the tokens it samples, so
+the scheduler never resends them.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from pagedserve.common.messages.types import ModelInfo, SamplingParams
+
+
+class NewSeq(msgspec.Struct, array_like=True):
+    """A sequence the worker has not seen (or re-sees after recompute)."""
+
+    seq_id: int
+    token_ids: list[int]  # prompt, plus already generated tokens after a recompute preemption
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose K/V is already in the pool (prefix-cache hits)
+    params: SamplingParams
+    num_prompt_tokens: int  # so penalties and seeds know where the output starts
+
+
+class BlockDiff(msgspec.Struct, array_like=True):
+    """Replace the sequence's block table from ``table_start`` on."""
+
+    seq_id: int
+    table_start: int
+    block_ids: list[int]
+
+
+class ScheduledSeq(msgspec.Struct, array_like=True):
+    """Compute the next ``num_tokens`` tokens of this sequence this step.
+
+    The worker samples a new token only when these reach the end of the
+    sequence's known tokens (the last chunk of a prefill, or a decode)."""
+
+    seq_id: int
+    num_tokens: int
+
+
+class ExecuteStep(msgspec.Struct, tag=30, array_like=True):
+    step_id: int
+    new_seqs: list[NewSeq]
+    block_diffs: list[BlockDiff]
+    scheduled: list[ScheduledSeq]  # batch order
+    finished: list[int]  # seq ids whose state the worker drops (before the step)
+    copies: list[tuple[int, int]] = []  # copy-on-write, (src, dst), before the forward
+    swap_in: list[tuple[int, int]] = []  # (cpu, gpu), before the forward
+    swap_out: list[tuple[int, int]] = []  # (gpu, cpu), before the forward
+    # Swapped-out sequences keep their worker state but are not scheduled.
+
+
+class InitWorker(msgspec.Struct, tag=31, array_like=True):
+    pass
+
+
+class ResetWorker(msgspec.Struct, tag=32, array_like=True):
+    """Drop every sequence's state (tests reuse one worker)."""
+
+
+class Shutdown(msgspec.Struct, tag=33, array_like=True):
+    pass
+
+
+Request = ExecuteStep | InitWorker | ResetWorker | Shutdown
+
+
+class SampledToken(msgspec.Struct, array_like=True):
+    seq_id: int
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = []
+
+
+class StepResult(msgspec.Struct, tag=40, array_like=True):
+    step_id: int
+    sampled: list[SampledToken]  # one per scheduled sequence that reached its end
+    forward_time_s: float = 0.0
+
+
+class WorkerReady(msgspec.Struct, tag=41, array_like=True):
+    model: ModelInfo
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+
+
+class WorkerError(msgspec.Struct, tag=42, array_like=True):
+    message: str
+
+
+class WorkerAck(msgspec.Struct, tag=43, array_like=True):
+    pass
+
+
+Reply = StepResult | WorkerReady | WorkerError | WorkerAck

@@ -1,0 +1,1 @@
+"""pagedserve component."""
