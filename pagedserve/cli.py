@@ -1,2 +1,45 @@
-def main() -> int:
-    return 0
+"""The ``pagedserve`` command line.
+
+  pagedserve serve ...                     all four components, locally
+  pagedserve frontend|scheduler|blockmgr|gpuworker ...   one component
+  pagedserve generate PROMPT ...           a small streaming client
+  pagedserve bench NAME ...                pagedserve.bench.NAME.main(argv)
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+_COMPONENTS = {
+    "frontend": "pagedserve.frontend.service",
+    "scheduler": "pagedserve.scheduler.service",
+    "blockmgr": "pagedserve.blockmgr.service",
+    "gpuworker": "pagedserve.gpuworker.service",
+    "serve": "pagedserve.launcher",
+    "generate": "pagedserve.client",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "bench":
+        if not rest or rest[0].startswith("-"):
+            print("usage: pagedserve bench NAME [args]", file=sys.stderr)
+            return 2
+        name = rest[0].replace("-", "_")
+        try:
+            module = importlib.import_module(f"pagedserve.bench.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"pagedserve.bench.{name}":
+                print(f"no such benchmark: {rest[0]}", file=sys.stderr)
+                return 2
+            raise
+        return int(module.main(rest[1:]) or 0)
+    if cmd not in _COMPONENTS:
+        print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(_COMPONENTS[cmd]).main(rest) or 0)

@@ -1,0 +1,1 @@
+"""Benchmarks: `pagedserve bench NAME` runs `pagedserve.bench.NAME.main(argv)`."""
