@@ -1,0 +1,420 @@
+"""The pure scheduler: iteration-level (continuous) batching, FCFS, a token
+budget per step, chunked prefill, and preemption by recompute or swap.
+
+It never touches a socket. One engine step is a small conversation:
+
+    req = sched.schedule()                 # StepRequest for the blockmgr, or None
+    while isinstance(req, StepRequest):
+        req = sched.on_block_reply(blockmgr.step(req))   # another round only to preempt
+    if req is not None:                    # an ExecuteStep for the worker
+        deltas = sched.on_step_result(worker.execute(req))
+
+Normally that is one blockmgr round trip per step; when a running sequence
+finds no room, the reply drives a second round that preempts the latest
+arrivals (last come, first preempted, whole groups) and retries.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedserve.common.messages import blockmgr as bm
+from pagedserve.common.messages import worker as wk
+from pagedserve.common.messages.frontend import AddRequest, TokenDelta
+from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_gpu_blocks: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    preemption_mode: str = "recompute"  # recompute | swap | auto
+    num_cpu_blocks: int = 0
+
+
+@dataclass
+class _StepPlan:
+    """Scratch state of the step being planned."""
+
+    await_append: dict[int, tuple[Sequence, int]] = field(default_factory=dict)
+    await_swap_out: dict[int, SequenceGroup] = field(default_factory=dict)
+    await_alloc: dict[int, Sequence] = field(default_factory=dict)
+    admitted: list[SequenceGroup] = field(default_factory=list)
+    scheduled: dict[int, tuple[Sequence, int]] = field(default_factory=dict)  # insertion = batch order
+    new_seqs: list[Sequence] = field(default_factory=list)
+    block_diffs: list[wk.BlockDiff] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.cfg = cfg
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []  # arrival order
+        self.swapped: list[SequenceGroup] = []
+        self.groups: dict[str, SequenceGroup] = {}
+        self._seq_group: dict[int, SequenceGroup] = {}
+        self._seq_ids = itertools.count(1)
+        self._arrivals = itertools.count()
+        self._step_ids = itertools.count()
+        self._pending_frees: list[int] = []  # seq ids to free in the blockmgr next round
+        self._pending_drops: list[int] = []  # seq ids whose worker state to drop next step
+        self._deltas: list[TokenDelta] = []  # produced outside a worker step (errors, aborts)
+        self._plan: _StepPlan | None = None
+        self.block_stats: bm.BlockStats | None = None
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, req: AddRequest) -> None:
+        if req.request_id in self.groups:
+            self._deltas.append(TokenDelta(req.request_id, 0, [], FinishReason.ERROR.value,
+                                           len(req.prompt_token_ids), f"duplicate request_id {req.request_id!r}"))
+            return
+        n = max(1, req.params.n)
+        seqs = [Sequence(next(self._seq_ids), i, list(req.prompt_token_ids), len(req.prompt_token_ids))
+                for i in range(n)]
+        group = SequenceGroup(req.request_id, seqs, req.params, req.arrival_time, next(self._arrivals),
+                              req.cache_salt)
+        blocks_needed = -(-(len(req.prompt_token_ids) + 1) // self.cfg.block_size)
+        if blocks_needed > self.cfg.num_gpu_blocks:
+            self._finish_group(group, FinishReason.ERROR,
+                               f"prompt of {len(req.prompt_token_ids)} tokens needs {blocks_needed} KV blocks; "
+                               f"the pool has {self.cfg.num_gpu_blocks}")
+            return
+        self.groups[group.request_id] = group
+        for s in seqs:
+            self._seq_group[s.seq_id] = group
+        self.waiting.append(group)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            group = self.groups.get(rid)
+            if group is None:
+                continue
+            if group in self.waiting:
+                self.waiting.remove(group)
+            elif group in self.running:
+                self.running.remove(group)
+            elif group in self.swapped:
+                self.swapped.remove(group)
+            self._finish_group(group, FinishReason.ABORT)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self._pending_frees or self._pending_drops)
+
+    def take_deltas(self) -> list[TokenDelta]:
+        out, self._deltas = self._deltas, []
+        return out
+
+    # ------------------------------------------------------------ planning
+    def schedule(self) -> bm.StepRequest | None:
+        """Plan a step; returns the blockmgr request, or None if idle."""
+        assert self._plan is None, "previous step not finished"
+        plan = self._plan = _StepPlan()
+        ops: list[bm.Op] = [bm.Free(s) for s in self._pending_frees]
+        self._pending_frees = []
+        budget = self.cfg.max_num_batched_tokens
+        for group in self.running:
+            for seq in group.live_seqs:
+                k = min(seq.num_uncomputed, budget)
+                if k <= 0:
+                    continue
+                budget -= k
+                ops.append(self._append_op(seq, k))
+                plan.await_append[seq.seq_id] = (seq, k)
+        num_seqs = sum(len(g.live_seqs) for g in self.running)
+        # Swapped groups resume before new admissions.
+        for group in self.swapped:
+            live = group.live_seqs
+            if num_seqs + len(live) > self.cfg.max_num_seqs:
+                break
+            ops.append(bm.SwapIn([s.seq_id for s in live]))
+            num_seqs += len(live)
+            for s in live:
+                plan.await_alloc[s.seq_id] = s
+            plan.admitted.append(group)
+        if not self.swapped:
+            for group in self.waiting:
+                live = group.live_seqs
+                if budget <= 0 or num_seqs + len(live) > self.cfg.max_num_seqs:
+                    break
+                for seq in live:
+                    k = min(len(seq.token_ids), budget)
+                    budget -= k
+                    ops.append(bm.Allocate(seq.seq_id, list(seq.token_ids), k, group.cache_salt))
+                    plan.await_alloc[seq.seq_id] = seq
+                num_seqs += len(live)
+                plan.admitted.append(group)
+        if not ops and not self._pending_drops:
+            self._plan = None
+            return None
+        return bm.StepRequest(ops)
+
+    def on_block_reply(self, reply: bm.StepReply) -> bm.StepRequest | wk.ExecuteStep | None:
+        plan = self._plan
+        assert plan is not None
+        self.block_stats = reply.stats
+        plan.copies += reply.copies
+        plan.swap_in += reply.swap_in
+        plan.swap_out += reply.swap_out
+        failed: list[tuple[Sequence, int]] = []
+        refused: set[str] = set()
+        swap_refused: list[SequenceGroup] = []
+        for res in reply.results:
+            if (entry := plan.await_append.pop(res.seq_id, None)) is not None:
+                seq = entry[0]
+                if res.status is bm.Status.OK:
+                    self._apply_table(plan, seq, res)
+                    plan.scheduled[seq.seq_id] = (seq, res.num_scheduled_tokens)
+                else:
+                    failed.append(entry)
+            elif (group := plan.await_swap_out.pop(res.seq_id, None)) is not None:
+                if res.status is bm.Status.OK:
+                    for s in group.seqs:
+                        if s.seq_id == res.seq_id:
+                            s.block_table = []
+                elif group not in swap_refused:
+                    swap_refused.append(group)
+            elif (seq := plan.await_alloc.pop(res.seq_id, None)) is not None:
+                group = self._seq_group[seq.seq_id]
+                if res.status is bm.Status.OK and group.request_id not in refused:
+                    self._apply_table(plan, seq, res)
+                    if seq.status is SeqStatus.SWAPPED:
+                        seq.status = SeqStatus.RUNNING
+                    else:
+                        seq.num_computed_tokens = res.num_cached_tokens
+                        plan.scheduled[seq.seq_id] = (seq, res.num_scheduled_tokens)
+                        plan.new_seqs.append(seq)
+                else:
+                    refused.add(group.request_id)
+        self._settle_admissions(plan, refused)
+        ops: list[bm.Op] = []
+        for group in swap_refused:
+            # No CPU room: fall back to recomputation for this group.
+            self.swapped.remove(group)
+            ops += self._recompute(group)
+        if failed:
+            ops += self._preempt_for(plan, failed)
+        if ops:
+            return bm.StepRequest(ops)
+        return self._build_execute(plan)
+
+    def _append_op(self, seq: Sequence, k: int) -> bm.Append:
+        n = seq.num_computed_tokens
+        return bm.Append(seq.seq_id, seq.token_ids[n:n + k])
+
+    def _apply_table(self, plan: _StepPlan, seq: Sequence, res: bm.SeqResult) -> None:
+        if not res.block_ids and res.table_start == seq.num_blocks:
+            return
+        del seq.block_table[res.table_start:]
+        seq.block_table += res.block_ids
+        if seq.known_to_worker:
+            plan.block_diffs.append(wk.BlockDiff(seq.seq_id, res.table_start, list(res.block_ids)))
+
+    def _settle_admissions(self, plan: _StepPlan, refused: set[str]) -> None:
+        for group in plan.admitted:
+            if group.request_id in refused:
+                # All or nothing per group: release what part of it got.
+                for s in group.live_seqs:
+                    plan.scheduled.pop(s.seq_id, None)
+                    if s in plan.new_seqs:
+                        plan.new_seqs.remove(s)
+                        self._pending_frees.append(s.seq_id)
+                        s.block_table, s.num_computed_tokens = [], 0
+                continue
+            if group in self.swapped:
+                self.swapped.remove(group)
+            else:
+                self.waiting.remove(group)
+            for s in group.live_seqs:
+                s.status = SeqStatus.RUNNING
+            self.running.append(group)
+        self.running.sort(key=lambda g: g.arrival_order)
+        if refused and not self.running and not self.swapped and self.waiting:
+            head = self.waiting[0]
+            if head.request_id in refused and (self.block_stats is None or
+                                               self.block_stats.num_free_gpu_blocks == self.block_stats.num_gpu_blocks):
+                # Nothing else holds memory, so waiting cannot help: fail instead of hanging.
+                self.waiting.popleft()
+                self._finish_group(head, FinishReason.ERROR, "request does not fit in the KV cache")
+        plan.admitted = []
+
+    def _preempt_for(self, plan: _StepPlan, failed: list[tuple[Sequence, int]]) -> list[bm.Op]:
+        """Preempt the latest arrivals until each failed append can be retried."""
+        ops: list[bm.Op] = []
+        for seq, k in failed:
+            group = self._seq_group[seq.seq_id]
+            while group.request_id not in plan.preempted:
+                victim = self.running[-1]
+                if victim is group and len(self.running) == 1:
+                    # Alone and still no room: waiting cannot help.
+                    self.running.remove(group)
+                    plan.preempted.add(group.request_id)
+                    self._unschedule(plan, group)
+                    self._finish_group(group, FinishReason.ERROR, "sequence outgrew the KV cache")
+                    ops += [bm.Free(s) for s in self._pending_frees]
+                    self._pending_frees = []
+                    break
+                freed = victim_blocks(victim)
+                ops += self._preempt(plan, victim)
+                if freed > 0:
+                    break
+            if group.request_id not in plan.preempted:
+                ops.append(self._append_op(seq, k))
+                plan.await_append[seq.seq_id] = (seq, k)
+        return ops
+
+    def _unschedule(self, plan: _StepPlan, group: SequenceGroup) -> None:
+        for s in group.seqs:
+            plan.scheduled.pop(s.seq_id, None)
+            plan.await_append.pop(s.seq_id, None)
+            if s in plan.new_seqs:
+                plan.new_seqs.remove(s)
+
+    def _preempt(self, plan: _StepPlan, group: SequenceGroup) -> list[bm.Op]:
+        self.num_preemptions += 1
+        group.num_preemptions += 1
+        plan.preempted.add(group.request_id)
+        self.running.remove(group)
+        self._unschedule(plan, group)
+        live = group.live_seqs
+        if self._use_swap(group):
+            for s in live:
+                s.status = SeqStatus.SWAPPED
+                plan.await_swap_out[s.seq_id] = group
+            self.swapped.append(group)
+            self.swapped.sort(key=lambda g: g.arrival_order)
+            return [bm.SwapOut([s.seq_id for s in live])]
+        return self._recompute(group)
+
+    def _recompute(self, group: SequenceGroup) -> list[bm.Op]:
+        """Drop the group's K/V; it is prefilled again (prompt + output so far)."""
+        live = group.live_seqs
+        for s in live:
+            s.status = SeqStatus.WAITING
+            s.num_computed_tokens = 0
+            s.block_table = []
+            if s.known_to_worker:
+                self._pending_drops.append(s.seq_id)
+                s.known_to_worker = False
+        # Back to the queue, ahead of every later arrival.
+        self.waiting.append(group)
+        self.waiting = deque(sorted(self.waiting, key=lambda g: g.arrival_order))
+        return [bm.Free(s.seq_id) for s in live]
+
+    def _use_swap(self, group: SequenceGroup) -> bool:
+        live = group.live_seqs
+        if self.cfg.num_cpu_blocks == 0 or not all(s.known_to_worker for s in live):
+            return False
+        if self.cfg.preemption_mode == "swap":
+            return True
+        if self.cfg.preemption_mode == "auto":
+            # The paper (sec. 7.3): recomputation is never much slower than swapping
+            # at block sizes >= 16, and needs no CPU memory; swapping pays when a
+            # group's sequences share blocks (parallel sampling, beam search), which
+            # recomputation would have to rebuild once per sequence.
+            return len(live) > 1
+        return False
+
+    def _build_execute(self, plan: _StepPlan) -> wk.ExecuteStep | None:
+        new_seqs = []
+        for seq in plan.new_seqs:
+            group = self._seq_group[seq.seq_id]
+            new_seqs.append(wk.NewSeq(seq.seq_id, list(seq.token_ids), list(seq.block_table),
+                                      seq.num_computed_tokens, group.params, seq.num_prompt_tokens))
+            seq.known_to_worker = True
+        scheduled = [wk.ScheduledSeq(s.seq_id, k) for s, k in plan.scheduled.values() if k > 0]
+        drops, self._pending_drops = self._pending_drops, []
+        if not scheduled and not new_seqs and not drops and not plan.copies and not plan.swap_in and not plan.swap_out:
+            self._plan = None
+            return None
+        self.num_steps += 1
+        return wk.ExecuteStep(next(self._step_ids), new_seqs, plan.block_diffs, scheduled, drops,
+                              plan.copies, plan.swap_in, plan.swap_out)
+
+    # ------------------------------------------------------------ results
+    def on_step_result(self, result: wk.StepResult) -> list[TokenDelta]:
+        plan = self._plan
+        assert plan is not None
+        self._plan = None
+        for seq, k in plan.scheduled.values():
+            seq.num_computed_tokens += k
+        for st in result.sampled:
+            group = self._seq_group.get(st.seq_id)
+            if group is None:
+                continue
+            seq = next(s for s in group.seqs if s.seq_id == st.seq_id)
+            if seq.is_finished:
+                continue
+            seq.token_ids.append(st.token_id)
+            reason = self._stop_reason(group, seq, st.token_id)
+            self._deltas.append(TokenDelta(group.request_id, seq.index, [st.token_id],
+                                           reason.value if reason else None, seq.num_prompt_tokens))
+            if reason is not None:
+                self._finish_seq(seq, reason)
+                if group.is_finished:
+                    self.running.remove(group)
+                    self._forget(group)
+        return self.take_deltas()
+
+    def on_step_failed(self, message: str) -> list[TokenDelta]:
+        """The worker failed the step: fail the requests it held, keep serving."""
+        plan = self._plan
+        assert plan is not None
+        self._plan = None
+        hit = {self._seq_group[s.seq_id].request_id for s, _ in plan.scheduled.values()}
+        for rid in hit:
+            group = self.groups[rid]
+            self.running.remove(group)
+            self._finish_group(group, FinishReason.ERROR, message)
+        return self.take_deltas()
+
+    def _stop_reason(self, group: SequenceGroup, seq: Sequence, tok: int) -> FinishReason | None:
+        p = group.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if tok in self.cfg.eos_token_ids and not p.ignore_eos:
+                return FinishReason.STOP
+            if tok in p.stop_token_ids:
+                return FinishReason.STOP
+        if n_out >= p.max_tokens or len(seq.token_ids) >= self.cfg.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # ------------------------------------------------------------ bookkeeping
+    def _finish_seq(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):
+            self._pending_frees.append(seq.seq_id)
+        if seq.known_to_worker:
+            self._pending_drops.append(seq.seq_id)
+            seq.known_to_worker = False
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.block_table = []
+
+    def _finish_group(self, group: SequenceGroup, reason: FinishReason, error: str | None = None) -> None:
+        group.error = error
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self._finish_seq(seq, reason)
+                self._deltas.append(TokenDelta(group.request_id, seq.index, [], reason.value,
+                                               seq.num_prompt_tokens, error))
+        self._forget(group)
+
+    def _forget(self, group: SequenceGroup) -> None:
+        self.groups.pop(group.request_id, None)
+        for s in group.seqs:
+            self._seq_group.pop(s.seq_id, None)
+
+
+def victim_blocks(group: SequenceGroup) -> int:
+    return sum(s.num_blocks for s in group.live_seqs)

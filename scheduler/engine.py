@@ -1,0 +1,167 @@
+"""EngineCore: the step loop's logic, with the blockmgr and worker behind two
+small client interfaces. The in-process clients call the pure classes
+directly (tests, benchmarks); the IPC clients talk to the real processes.
+Both run the same core.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import zmq
+
+from pagedserve.common import ipc
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.messages import blockmgr as bm
+from pagedserve.common.messages import frontend as fe
+from pagedserve.common.messages import worker as wk
+from pagedserve.scheduler.core import Scheduler, SchedulerConfig
+
+
+class BlockClient(Protocol):
+    def call(self, req: bm.Request, timeout_s: float | None = None) -> bm.Reply: ...
+
+
+class WorkerClient(Protocol):
+    def call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply: ...
+
+
+class ComponentError(RuntimeError):
+    """A component answered with an error, or not at all."""
+
+
+class InProcessBlockClient:
+    def __init__(self, manager_factory: Any) -> None:
+        # manager_factory(InitRequest) -> BlockManager; built on InitRequest like the service.
+        self._factory = manager_factory
+        self.manager: Any = None
+
+    def call(self, req: bm.Request, timeout_s: float | None = None) -> bm.Reply:
+        if isinstance(req, bm.InitRequest):
+            self.manager = self._factory(req)
+            return bm.Ack()
+        if isinstance(req, bm.StepRequest):
+            return self.manager.step(req)
+        if isinstance(req, bm.StatsRequest):
+            return self.manager.stats()
+        self.manager.reset()
+        return bm.Ack()
+
+
+class InProcessWorkerClient:
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+
+    def call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply:
+        if isinstance(req, wk.InitWorker):
+            return self.runner.init()
+        if isinstance(req, wk.ExecuteStep):
+            return self.runner.execute(req)
+        if isinstance(req, wk.ResetWorker):
+            self.runner.reset()
+        return wk.WorkerAck()
+
+
+class IpcClient:
+    """Request/reply over ZeroMQ with a timeout per call."""
+
+    def __init__(self, ctx: zmq.Context[Any], addr: str, reply_type: Any, timeout_s: float) -> None:
+        self._client: ipc.ReqClient[Any] = ipc.ReqClient(ctx, addr, reply_type)
+        self.timeout_s = timeout_s
+
+    def call(self, req: Any, timeout_s: float | None = None) -> Any:
+        try:
+            return self._client.call(req, timeout_s or self.timeout_s)
+        except ipc.ChannelTimeout as e:
+            raise ComponentError(str(e)) from e
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig, blockmgr: BlockClient, worker: WorkerClient,
+                 init_timeout_s: float | None = None) -> None:
+        self.cfg = cfg
+        self.blockmgr = blockmgr
+        self.worker = worker
+        ready = self._worker_call(wk.InitWorker(), init_timeout_s)
+        assert isinstance(ready, wk.WorkerReady)
+        self.ready = ready
+        self._block_call(bm.InitRequest(ready.num_gpu_blocks, ready.num_cpu_blocks, ready.block_size,
+                                        cfg.enable_prefix_caching))
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            block_size=ready.block_size,
+            num_gpu_blocks=ready.num_gpu_blocks,
+            max_model_len=ready.model.max_model_len,
+            eos_token_ids=ready.model.eos_token_ids,
+            preemption_mode=cfg.preemption_mode,
+            num_cpu_blocks=ready.num_cpu_blocks,
+        ))
+
+    def _worker_call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply:
+        rep = self.worker.call(req, timeout_s)
+        if isinstance(rep, wk.WorkerError):
+            raise ComponentError(f"gpuworker: {rep.message}")
+        return rep
+
+    def _block_call(self, req: bm.Request) -> bm.Reply:
+        rep = self.blockmgr.call(req)
+        if isinstance(rep, bm.ErrorReply):
+            raise ComponentError(f"blockmgr: {rep.message}")
+        return rep
+
+    def info(self, query_id: int) -> fe.EngineInfo:
+        return fe.EngineInfo(query_id, self.ready.model, self.ready.block_size, self.ready.num_gpu_blocks,
+                             self.ready.num_cpu_blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
+
+    def stats(self, query_id: int) -> fe.EngineStats:
+        s = self._block_call(bm.StatsRequest())
+        assert isinstance(s, bm.BlockStats)
+        sch = self.scheduler
+        return fe.EngineStats(query_id, len(sch.running), len(sch.waiting), len(sch.swapped),
+                              s.num_gpu_blocks, s.num_free_gpu_blocks, s.num_cpu_blocks, s.num_free_cpu_blocks,
+                              s.prefix_cache_queries, s.prefix_cache_hits, sch.num_preemptions, sch.num_steps)
+
+    def handle(self, msg: fe.Request) -> fe.Reply | None:
+        if isinstance(msg, fe.AddRequest):
+            self.scheduler.add_request(msg)
+        elif isinstance(msg, fe.AbortRequest):
+            self.scheduler.abort(msg.request_ids)
+        elif isinstance(msg, fe.InfoQuery):
+            return self.info(msg.query_id)
+        elif isinstance(msg, fe.StatsQuery):
+            return self.stats(msg.query_id)
+        return None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[fe.TokenDelta]:
+        sch = self.scheduler
+        req = sch.schedule()
+        while isinstance(req, bm.StepRequest):
+            reply = self._block_call(req)
+            assert isinstance(reply, bm.StepReply)
+            req = sch.on_block_reply(reply)
+        if req is None:
+            return sch.take_deltas()
+        t0 = time.perf_counter()
+        result = self.worker.call(req)
+        self.last_step_s = time.perf_counter() - t0
+        if isinstance(result, wk.WorkerError):
+            return sch.on_step_failed(result.message)
+        assert isinstance(result, wk.StepResult)
+        return sch.on_step_result(result)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> list[fe.TokenDelta]:
+        """Steps until nothing is left (tests and offline benchmarks)."""
+        out: list[fe.TokenDelta] = []
+        for _ in range(max_steps):
+            if not self.has_work():
+                break
+            out += self.step()
+        out += self.scheduler.take_deltas()
+        return out

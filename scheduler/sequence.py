@@ -1,0 +1,75 @@
+"""Sequences and sequence groups, the scheduler's unit of work.
+
+A request becomes a ``SequenceGroup``: its prompt is prefilled once, and with
+``n > 1`` (or beam search) the group holds several sequences that share the
+prompt's blocks. Preemption and FCFS order act on whole groups.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagedserve.common.messages.types import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    index: int  # position among the group's outputs
+    token_ids: list[int]  # prompt followed by the generated tokens
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0  # tokens whose K/V is in the pool
+    block_table: list[int] = field(default_factory=list)  # GPU block ids, mirrored from blockmgr replies
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    known_to_worker: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_table)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    request_id: str
+    seqs: list[Sequence]
+    params: SamplingParams
+    arrival_time: float
+    arrival_order: int  # ties broken by submission order
+    cache_salt: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

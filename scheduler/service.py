@@ -1,0 +1,83 @@
+"""The scheduler process: binds the two frontend-facing queues, connects to the
+blockmgr and the gpuworker, and runs the step loop."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+import zmq
+
+from pagedserve.common import ipc
+from pagedserve.common.config import add_address_args, add_engine_args, addresses_from_args, config_from_args
+from pagedserve.common.messages import blockmgr as bm
+from pagedserve.common.messages import frontend as fe
+from pagedserve.common.messages import worker as wk
+from pagedserve.scheduler.engine import ComponentError, EngineCore, IpcClient
+
+log = logging.getLogger("pagedserve.scheduler")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pagedserve scheduler")
+    add_engine_args(p)
+    add_address_args(p)
+    p.add_argument("--init-timeout", type=float, default=1800.0, help="seconds to wait for the worker to load")
+    p.add_argument("--step-timeout", type=float, default=600.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
+    cfg = config_from_args(args)
+    addrs = addresses_from_args(args)
+
+    stop = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    inbox: ipc.PullQueue[fe.Request] = ipc.PullQueue(ctx, addrs.scheduler_in, fe.Request, bind=True)
+    outbox: ipc.PushQueue[fe.Reply] = ipc.PushQueue(ctx, addrs.scheduler_out, bind=True)
+    blockmgr = IpcClient(ctx, addrs.blockmgr, bm.Reply, timeout_s=30.0)
+    worker = IpcClient(ctx, addrs.worker, wk.Reply, timeout_s=args.step_timeout)
+    try:
+        try:
+            core = EngineCore(cfg, blockmgr, worker, init_timeout_s=args.init_timeout)
+        except ComponentError as e:
+            log.error("start-up failed: %s", e)
+            return 1
+        log.info("ready: %d GPU blocks of %d tokens, %d CPU blocks", core.ready.num_gpu_blocks,
+                 core.ready.block_size, core.ready.num_cpu_blocks)
+        while not stop:
+            # Block briefly for input only when idle; otherwise drain and step.
+            if inbox.poll(0 if core.has_work() else 50):
+                while (msg := inbox.get_nowait()) is not None:
+                    reply = core.handle(msg)
+                    if reply is not None:
+                        outbox.put(reply)
+            if core.has_work():
+                try:
+                    deltas = core.step()
+                except ComponentError as e:
+                    log.error("step failed: %s", e)
+                    return 1
+                if deltas:
+                    outbox.put(fe.Outputs(deltas))
+            elif (deltas := core.scheduler.take_deltas()):
+                outbox.put(fe.Outputs(deltas))
+        return 0
+    finally:
+        for sock in (inbox, outbox, blockmgr, worker):
+            sock.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
