@@ -1,0 +1,453 @@
+"""The paged KV memory manager (PagedAttention paper, section 4.2-4.5).
+
+``BlockManager`` is a pure class (no sockets): the scheduler's whole step
+arrives as one ``StepRequest`` and leaves as one ``StepReply``. It keeps
+every sequence's block table, shares blocks by reference count (fork,
+prefix caching), copies-on-write a shared, partly filled last block and
+moves whole sequence groups between the GPU and the CPU pool.
+
+Conventions
+* GPU block 0 is the null block: never handed out, so the worker may pad
+  block tables and slot mappings with it. ``BlockStats.num_gpu_blocks``
+  counts usable blocks (``num_gpu_blocks - 1``), so ``gpu_usage`` is exact.
+  CPU blocks are all usable.
+* A full block is keyed by sha256(parent key + its token ids); the chain's
+  root is the empty key, or sha256 of the request's cache salt. A block
+  filled by this step becomes a prefix-cache hit from the next ``step()``
+  on, because its K/V is written by this step's forward pass.
+* ``SeqResult``s are sent only for ops that changed a GPU block table
+  (Allocate always, Fork for the child, Append only when it added or
+  replaced a block, SwapOut/SwapIn per sequence) or that answered
+  ``NO_ROOM``. Free answers nothing: it cannot fail.
+* Swaps move a whole group; a block shared inside it moves once and stays
+  shared. Each pool keeps its own prefix-key map, so a swap reuses, without
+  a copy, a block whose content the destination pool still holds.
+* The worker must run, before the forward pass: ``swap_out`` copies, then
+  ``swap_in`` copies, then ``copies`` (CoW); a block freed or swapped out
+  earlier in the step may be the destination of a later op.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from pagedserve.blockmgr.block_pool import Block, BlockPool
+from pagedserve.common.messages.blockmgr import (
+    Allocate,
+    Append,
+    BlockStats,
+    Fork,
+    Free,
+    SeqResult,
+    Status,
+    StepReply,
+    StepRequest,
+    SwapIn,
+    SwapOut,
+)
+
+NULL_BLOCK = 0
+_OK = Status.OK
+_NO_ROOM = Status.NO_ROOM
+
+
+class BlockManagerError(ValueError):
+    """A protocol error (unknown or duplicate sequence, wrong state). Earlier
+    ops of the same step stay applied: the caller should reset."""
+
+
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    """Key of a full block: chained over the parent block's key."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+def _root_key(cache_salt: str | None) -> bytes:
+    if cache_salt is None:
+        return b""
+    return hashlib.sha256(b"salt\x00" + cache_salt.encode()).digest()
+
+
+class _Seq:
+    """One sequence's table. ``tail`` holds the token ids of the partly
+    filled last block and ``last_key`` the key of the last full one (both
+    only with prefix caching)."""
+
+    __slots__ = ("table", "num_tokens", "tail", "last_key", "on_cpu")
+
+    def __init__(self, table: list[Block], num_tokens: int, tail: list[int], last_key: bytes, on_cpu: bool = False) -> None:
+        self.table = table
+        self.num_tokens = num_tokens
+        self.tail = tail
+        self.last_key = last_key
+        self.on_cpu = on_cpu
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+    ) -> None:
+        if num_gpu_blocks < 2:
+            raise ValueError("num_gpu_blocks must be at least 2 (block 0 is the null block)")
+        if num_cpu_blocks < 0 or block_size < 1 or not 0.0 <= watermark < 1.0:
+            raise ValueError("bad num_cpu_blocks, block_size or watermark")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark = watermark
+        self.watermark_blocks = int(watermark * (num_gpu_blocks - 1))
+        self.reset()
+
+    def reset(self) -> None:
+        self.gpu = BlockPool(self.num_gpu_blocks, first_usable=NULL_BLOCK + 1)
+        self.cpu = BlockPool(self.num_cpu_blocks)
+        self.seqs: dict[int, _Seq] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._pending: list[Block] = []  # filled this step, cached at the next
+        self._copies: list[tuple[int, int]] = []
+
+    # ---- the batched step -------------------------------------------------
+
+    def step(self, req: StepRequest) -> StepReply:
+        self.commit_cached_blocks()
+        results: list[SeqResult] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        blocked = False  # after the first NO_ROOM, admissions wait (FCFS)
+        append_slots = self.append_slots
+        for op in req.ops:
+            if type(op) is Append:
+                r = append_slots(op.seq_id, op.token_ids)
+                if r is not None:
+                    results.append(r)
+                    blocked = blocked or r.status is _NO_ROOM
+            elif type(op) is Free:
+                self.free(op.seq_id)
+            elif type(op) is Allocate:
+                if blocked:
+                    results.append(SeqResult(op.seq_id, _NO_ROOM))
+                    continue
+                r = self.allocate(op.seq_id, op.token_ids, op.num_new_tokens, op.cache_salt)
+                results.append(r)
+                blocked = r.status is _NO_ROOM
+            elif type(op) is Fork:
+                results.append(self.fork(op.parent_seq_id, op.child_seq_id))
+            elif type(op) is SwapOut:
+                mapping = self.swap_out(op.seq_ids)
+                if mapping is None:
+                    results.extend(SeqResult(s, _NO_ROOM) for s in op.seq_ids)
+                    blocked = True
+                else:
+                    swap_out.extend(mapping)
+                    results.extend(SeqResult(s, _OK) for s in op.seq_ids)
+            elif type(op) is SwapIn:
+                mapping = None if blocked else self.swap_in(op.seq_ids)
+                if mapping is None:
+                    results.extend(SeqResult(s, _NO_ROOM) for s in op.seq_ids)
+                    blocked = True
+                else:
+                    swap_in.extend(mapping)
+                    results.extend(
+                        SeqResult(s, _OK, 0, [b.block_id for b in self.seqs[s].table]) for s in op.seq_ids
+                    )
+            else:
+                raise BlockManagerError(f"unknown op {op!r}")
+        copies, self._copies = self._copies, []
+        return StepReply(results, copies, swap_out, swap_in, self.stats())
+
+    def commit_cached_blocks(self) -> None:
+        """The previous step's forward pass has written the K/V of the
+        blocks it filled: they become prefix-cache hits now."""
+        if self._pending:
+            commit = self.gpu.commit
+            for b in self._pending:
+                commit(b)
+            self._pending = []
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """CoW copies recorded by ``append_slots`` since the last call."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    # ---- fine-grained operations -------------------------------------------
+
+    def _seq(self, seq_id: int, on_gpu: bool = True) -> _Seq:
+        s = self.seqs.get(seq_id)
+        if s is None:
+            raise BlockManagerError(f"unknown seq_id {seq_id}")
+        if on_gpu and s.on_cpu:
+            raise BlockManagerError(f"seq_id {seq_id} is swapped out")
+        return s
+
+    def _lookup_prefix(self, token_ids: list[int], root: bytes) -> tuple[list[Block], bytes, int]:
+        """Cached full blocks of the prompt, never the whole prompt; returns
+        them, the key of the last hit and the number of blocks looked up."""
+        if not self.enable_prefix_caching:
+            return [], root, 0
+        bs = self.block_size
+        max_hits = (len(token_ids) - 1) // bs
+        cached = self.gpu.cached
+        hits: list[Block] = []
+        key = root
+        for i in range(max_hits):
+            k = hash_block(key, token_ids[i * bs:(i + 1) * bs])
+            b = cached.get(k)
+            if b is None:
+                break
+            hits.append(b)
+            key = k
+        return hits, key, max_hits
+
+    def _plan_allocate(
+        self, seq_id: int, token_ids: list[int], num_new_tokens: int, cache_salt: str | None
+    ) -> tuple[list[Block], bytes, int, int, int, int]:
+        if not token_ids or num_new_tokens < 0:
+            raise BlockManagerError(f"seq_id {seq_id}: empty prompt or negative num_new_tokens")
+        root = _root_key(cache_salt) if self.enable_prefix_caching else b""
+        hits, key, queried = self._lookup_prefix(token_ids, root)
+        num_cached = len(hits) * self.block_size
+        num_sched = min(num_new_tokens, len(token_ids) - num_cached)
+        num_blocks = -(-(num_cached + num_sched) // self.block_size)
+        revived = sum(1 for b in hits if b.ref_cnt == 0)  # leave the free queue
+        need = num_blocks - len(hits) + revived
+        return hits, key, queried, num_cached, num_sched, need
+
+    def can_allocate(self, token_ids: list[int], num_new_tokens: int, cache_salt: str | None = None) -> bool:
+        *_, need = self._plan_allocate(0, token_ids, num_new_tokens, cache_salt)
+        return self.gpu.num_free - need >= self.watermark_blocks
+
+    def allocate(
+        self, seq_id: int, token_ids: list[int], num_new_tokens: int, cache_salt: str | None = None
+    ) -> SeqResult:
+        if seq_id in self.seqs:
+            raise BlockManagerError(f"seq_id {seq_id} already has a block table")
+        hits, key, queried, num_cached, num_sched, need = self._plan_allocate(
+            seq_id, token_ids, num_new_tokens, cache_salt
+        )
+        gpu = self.gpu
+        if gpu.num_free - need < self.watermark_blocks:
+            return SeqResult(seq_id, _NO_ROOM)
+        for b in hits:
+            gpu.ref(b)
+        bs = self.block_size
+        total = num_cached + num_sched
+        table = hits + [gpu.take() for _ in range(-(-total // bs) - len(hits))]
+        tail: list[int] = []
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += queried
+            self.prefix_cache_hits += len(hits)
+            for i in range(len(hits), total // bs):  # blocks this step fills
+                key = hash_block(key, token_ids[i * bs:(i + 1) * bs])
+                table[i].pending_hash = key
+                self._pending.append(table[i])
+            tail = token_ids[(total // bs) * bs:total]
+        self.seqs[seq_id] = _Seq(table, total, tail, key)
+        return SeqResult(seq_id, _OK, 0, [b.block_id for b in table], num_cached, num_sched)
+
+    def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:
+        s = self._seq(seq_id)
+        return self.gpu.num_free >= self._append_need(s, num_tokens)
+
+    def _append_need(self, s: _Seq, k: int) -> int:
+        nt, table = s.num_tokens, s.table
+        new = -(-(nt + k) // self.block_size) - len(table)
+        cow = nt % self.block_size != 0 and table[-1].ref_cnt > 1
+        return max(new, 0) + cow
+
+    def append_slots(self, seq_id: int, token_ids: list[int]) -> SeqResult | None:
+        """Slots for ``token_ids``; None when the block table is unchanged."""
+        s = self.seqs.get(seq_id)
+        if s is None or s.on_cpu:
+            self._seq(seq_id)  # raises the right error
+        assert s is not None
+        k = len(token_ids)
+        if k == 0:
+            return None
+        bs = self.block_size
+        table = s.table
+        nt = s.num_tokens
+        result: SeqResult | None = None
+        if nt + k > len(table) * bs or (nt % bs and table[-1].ref_cnt > 1):
+            gpu = self.gpu
+            cow = nt % bs != 0 and table[-1].ref_cnt > 1
+            new = -(-(nt + k) // bs) - len(table)
+            if gpu.num_free < new + cow:
+                return SeqResult(seq_id, _NO_ROOM)
+            start = len(table)
+            if cow:  # the last block is shared and partly filled: copy it
+                src = table[-1]
+                dst = gpu.take()
+                self._copies.append((src.block_id, dst.block_id))
+                gpu.unref(src)
+                table[-1] = dst
+                start -= 1
+            for _ in range(new):
+                table.append(gpu.take())
+            result = SeqResult(seq_id, _OK, start, [b.block_id for b in table[start:]], 0, k)
+        s.num_tokens = nt + k
+        if self.enable_prefix_caching:
+            tail = s.tail
+            tail.extend(token_ids)
+            if len(tail) >= bs:  # one or more blocks filled: key them
+                i = nt // bs
+                key = s.last_key
+                while len(tail) >= bs:
+                    key = hash_block(key, tail[:bs])
+                    b = table[i]
+                    b.pending_hash = key
+                    self._pending.append(b)
+                    del tail[:bs]
+                    i += 1
+                s.last_key = key
+        return result
+
+    def fork(self, parent_seq_id: int, child_seq_id: int) -> SeqResult:
+        p = self._seq(parent_seq_id)
+        if child_seq_id in self.seqs:
+            raise BlockManagerError(f"seq_id {child_seq_id} already has a block table")
+        ref = self.gpu.ref
+        for b in p.table:
+            ref(b)
+        self.seqs[child_seq_id] = _Seq(list(p.table), p.num_tokens, list(p.tail), p.last_key)
+        return SeqResult(child_seq_id, _OK, 0, [b.block_id for b in p.table])
+
+    def free(self, seq_id: int) -> None:
+        s = self._seq(seq_id, on_gpu=False)
+        del self.seqs[seq_id]
+        unref = (self.cpu if s.on_cpu else self.gpu).unref
+        for b in reversed(s.table):  # tail first: evicted before the chain's head
+            unref(b)
+
+    def _group(self, seq_ids: list[int], on_cpu: bool) -> list[_Seq]:
+        if len(set(seq_ids)) != len(seq_ids):
+            raise BlockManagerError(f"duplicate seq ids in group {seq_ids}")
+        group = [self._seq(i, on_gpu=False) for i in seq_ids]
+        for i, s in zip(seq_ids, group):
+            if s.on_cpu != on_cpu:
+                raise BlockManagerError(f"seq_id {i} is {'on the GPU' if not s.on_cpu else 'swapped out'}")
+        return group
+
+    @staticmethod
+    def _need(group: list[_Seq], dst: BlockPool) -> int:
+        """Free ``dst`` blocks a move takes: one per distinct block of the
+        group, unless ``dst`` already caches its content and it is in use."""
+        need = 0
+        seen: set[int] = set()
+        cached = dst.cached
+        for s in group:
+            for b in s.table:
+                if b.block_id in seen:
+                    continue
+                seen.add(b.block_id)
+                d = cached.get(b.block_hash) if b.block_hash is not None else None
+                if d is None or d.ref_cnt == 0:
+                    need += 1
+        return need
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        return self._need(self._group(seq_ids, on_cpu=False), self.cpu) <= self.cpu.num_free
+
+    def can_swap_in(self, seq_ids: list[int]) -> bool:
+        need = self._need(self._group(seq_ids, on_cpu=True), self.gpu)
+        return self.gpu.num_free - need >= self.watermark_blocks
+
+    def _move(self, group: list[_Seq], src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
+        """Give each distinct block of the group one block in ``dst``: blocks
+        shared inside the group stay shared, and a block whose content
+        ``dst`` still caches (by prefix key) is reused without a copy."""
+        moved: dict[int, Block] = {}
+        mapping: list[tuple[int, int]] = []
+        to_gpu = dst is self.gpu
+        for s in group:
+            new_table = []
+            for b in s.table:
+                d = moved.get(b.block_id)
+                if d is not None:
+                    dst.ref(d)
+                else:
+                    key = b.block_hash
+                    d = dst.cached.get(key) if key is not None else None
+                    if d is not None:
+                        dst.ref(d)
+                    else:
+                        d = dst.take()
+                        mapping.append((b.block_id, d.block_id))
+                        if key is not None:
+                            if to_gpu:  # cached once the copy has run (next step)
+                                d.pending_hash = key
+                                self._pending.append(d)
+                            else:  # the swap-out copy runs before anything reuses it
+                                d.block_hash = key
+                                dst.cached[key] = d
+                    moved[b.block_id] = d
+                new_table.append(d)
+            for b in reversed(s.table):
+                src.unref(b)
+            s.table = new_table
+            s.on_cpu = not to_gpu
+        return mapping
+
+    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]] | None:
+        """(gpu, cpu) pairs to copy, or None when the CPU pool has no room."""
+        group = self._group(seq_ids, on_cpu=False)
+        if self._need(group, self.cpu) > self.cpu.num_free:
+            return None
+        return self._move(group, self.gpu, self.cpu)
+
+    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]] | None:
+        """(cpu, gpu) pairs to copy, or None when the GPU pool has no room."""
+        group = self._group(seq_ids, on_cpu=True)
+        if self.gpu.num_free - self._need(group, self.gpu) < self.watermark_blocks:
+            return None
+        return self._move(group, self.cpu, self.gpu)
+
+    # ---- introspection ------------------------------------------------------
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return [b.block_id for b in self._seq(seq_id, on_gpu=False).table]
+
+    def stats(self) -> BlockStats:
+        return BlockStats(
+            self.gpu.num_usable,
+            self.gpu.num_free,
+            self.cpu.num_usable,
+            self.cpu.num_free,
+            len(self.seqs),
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.gpu.num_shared_refs,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every invariant holds."""
+        bs = self.block_size
+        refs: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        for seq_id, s in self.seqs.items():
+            ids = [b.block_id for b in s.table]
+            if len(set(ids)) != len(ids):
+                raise AssertionError(f"seq {seq_id}: a block appears twice in its table {ids}")
+            if len(ids) != -(-s.num_tokens // bs):
+                raise AssertionError(f"seq {seq_id}: {len(ids)} blocks for {s.num_tokens} tokens")
+            pool = self.cpu if s.on_cpu else self.gpu
+            for b in s.table:
+                if pool.blocks[b.block_id] is not b:
+                    raise AssertionError(f"seq {seq_id}: block {b.block_id} is not from the {'CPU' if s.on_cpu else 'GPU'} pool")
+            counts = refs[s.on_cpu]
+            for i in ids:
+                counts[i] = counts.get(i, 0) + 1
+            if self.enable_prefix_caching and len(s.tail) != s.num_tokens % bs:
+                raise AssertionError(f"seq {seq_id}: {len(s.tail)} tail tokens for {s.num_tokens} tokens")
+        self.gpu.check("gpu", refs[0])
+        self.cpu.check("cpu", refs[1])
+        for b in self.cpu.blocks:
+            if b.pending_hash is not None:
+                raise AssertionError(f"cpu block {b.block_id} has a pending prefix-cache key")
+        for b in self._pending:
+            if b.pending_hash is not None and b.ref_cnt == 0:
+                raise AssertionError(f"free block {b.block_id} still waits to be cached")

@@ -1,0 +1,103 @@
+"""``pagedserve blockmgr``: the block manager as its own process.
+
+A REP socket answers one message at a time: ``InitRequest`` (re)creates the
+manager and answers ``Ack``; then ``StepRequest`` -> ``StepReply``,
+``StatsRequest`` -> ``BlockStats``, ``ResetRequest`` -> ``Ack``. Anything
+that fails (a malformed message, a protocol error) answers ``ErrorReply``
+and the loop keeps serving. SIGTERM/SIGINT end the loop; closing the
+socket removes its ipc:// file.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import signal
+import sys
+from types import FrameType
+
+import zmq
+
+from pagedserve.blockmgr.manager import BlockManager
+from pagedserve.common.config import add_address_args, add_engine_args
+from pagedserve.common.ipc import RepServer
+from pagedserve.common.messages.blockmgr import (
+    Ack,
+    ErrorReply,
+    InitRequest,
+    Request,
+    ResetRequest,
+    StatsRequest,
+    StepRequest,
+)
+
+log = logging.getLogger("pagedserve.blockmgr")
+
+
+class _Handler:
+    def __init__(self) -> None:
+        self.mgr: BlockManager | None = None
+
+    def handle(self, msg: object) -> object:
+        if type(msg) is StepRequest:
+            if self.mgr is None:
+                return ErrorReply("not initialised: send InitRequest first")
+            return self.mgr.step(msg)
+        if isinstance(msg, InitRequest):
+            self.mgr = BlockManager(
+                msg.num_gpu_blocks, msg.num_cpu_blocks, msg.block_size, msg.enable_prefix_caching, msg.watermark
+            )
+            gc.collect()
+            gc.freeze()  # the block objects live forever: keep them out of GC scans
+            return Ack()
+        if self.mgr is None:
+            return ErrorReply("not initialised: send InitRequest first")
+        if isinstance(msg, StatsRequest):
+            return self.mgr.stats()
+        if isinstance(msg, ResetRequest):
+            self.mgr.reset()
+            return Ack()
+        return ErrorReply(f"unexpected message {type(msg).__name__}")
+
+
+def serve(addr: str) -> int:
+    stop = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stop
+        stop = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    ctx = zmq.Context()
+    server: RepServer[Request] = RepServer(ctx, addr, Request)
+    handler = _Handler()
+    log.info("blockmgr listening on %s", addr)
+    try:
+        while not stop:
+            if not server.poll(100):
+                continue
+            raw = server.recv_raw()
+            try:
+                reply = handler.handle(server.decode(raw))
+            except Exception as e:  # noqa: BLE001 - every failure becomes a reply
+                reply = ErrorReply(f"{type(e).__name__}: {e}")
+            server.send(reply)  # type: ignore[arg-type]
+    finally:
+        server.close()
+        ctx.term()
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pagedserve blockmgr", description=__doc__.split("\n\n")[0])
+    add_address_args(p)
+    add_engine_args(p)  # accepted (the launcher hands every child the same flags), unused
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s blockmgr %(levelname)s %(message)s")
+    return serve(args.blockmgr_addr)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
