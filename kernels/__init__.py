@@ -2,12 +2,36 @@
 
 The torch reference (``reference.py``) is the CPU serving path; the Triton
 kernels in ``triton_*.py`` serve CUDA and are tested against it.
+``get_attention_backend`` picks between them for the worker.
 """
-from pagedserve.kernels.reference import (
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton has no CPU backend, so without CUDA its kernels can only run in
+    # the interpreter; it must be chosen before any @triton.jit is decorated.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagedserve.kernels.backend import AttentionBackend, get_attention_backend  # noqa: E402
+from pagedserve.kernels.reference import (  # noqa: E402
     copy_blocks_ref,
     paged_attention_ref,
     reshape_and_cache_ref,
     swap_blocks_ref,
 )
+from pagedserve.kernels.triton_attention import paged_attention  # noqa: E402
+from pagedserve.kernels.triton_cache import copy_blocks, reshape_and_cache, swap_blocks  # noqa: E402
 
-__all__ = ["copy_blocks_ref", "paged_attention_ref", "reshape_and_cache_ref", "swap_blocks_ref"]
+__all__ = [
+    "AttentionBackend",
+    "copy_blocks",
+    "copy_blocks_ref",
+    "get_attention_backend",
+    "paged_attention",
+    "paged_attention_ref",
+    "reshape_and_cache",
+    "reshape_and_cache_ref",
+    "swap_blocks",
+    "swap_blocks_ref",
+]

@@ -1,0 +1,56 @@
+"""Pick the attention/cache ops the worker runs: ``torch`` (the reference,
+the CPU serving path) or ``triton`` (the kernels; on CUDA, or on CPU in the
+Triton interpreter, which tests use to force them). ``auto`` is triton on
+CUDA and torch elsewhere, matching ``EngineConfig.attention_backend``."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels.reference import copy_blocks_ref, paged_attention_ref, reshape_and_cache_ref
+from pagedserve.kernels.triton_attention import paged_attention
+from pagedserve.kernels.triton_cache import copy_blocks, reshape_and_cache, swap_blocks
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The four ops with one signature each, whatever the implementation.
+    ``paged_attention`` accepts the keyword hints ``max_seq_len`` and
+    ``max_query_len`` in both backends (the torch one ignores them)."""
+
+    name: str
+    paged_attention: Callable[..., torch.Tensor]
+    reshape_and_cache: Callable[..., None]
+    copy_blocks: Callable[..., None]
+    swap_blocks: Callable[..., torch.cuda.Event | None]
+
+
+def _paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
+                           *, max_seq_len: int | None = None, max_query_len: int | None = None) -> torch.Tensor:
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+
+
+TORCH = AttentionBackend("torch", _paged_attention_torch, reshape_and_cache_ref, copy_blocks_ref, swap_blocks)
+TRITON = AttentionBackend("triton", paged_attention, reshape_and_cache, copy_blocks, swap_blocks)
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """``name`` is auto|torch|triton; ``device`` is where the KV pool lives."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TORCH
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton has no CPU backend: CPU tensors need the interpreter, which is
+        # chosen when the kernels are decorated (import time).
+        raise RuntimeError("the triton backend on CPU needs TRITON_INTERPRET=1 set before pagedserve.kernels "
+                           "is imported (it is set automatically when CUDA is absent)")
+    return TRITON

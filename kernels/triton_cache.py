@@ -1,0 +1,178 @@
+"""KV-cache maintenance: Triton ``reshape_and_cache`` and ``copy_blocks``,
+and ``swap_blocks`` (plain copies, asynchronous on a side CUDA stream).
+
+Semantics are those of the ``*_ref`` functions in ``reference.py``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_db, stride_ds, stride_dh, stride_dd,
+    HEAD_DIM: tl.constexpr, NUM_ELEMS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """One program per token: its [num_kv_heads, head_dim] key and value rows."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return  # padding token: nothing to cache
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    i = tl.arange(0, BLOCK)
+    ok = i < NUM_ELEMS
+    h = i // HEAD_DIM
+    d = i % HEAD_DIM
+    k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d * stride_kd, mask=ok)
+    v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=ok)
+    tl.store(k_cache_ptr + blk * stride_cb + off * stride_cs + h * stride_ch + d * stride_cd,
+             k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_cache_ptr + blk * stride_db + off * stride_ds + h * stride_dh + d * stride_dd,
+             v.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [num_tokens, num_kv_heads, head_dim] into the pool at
+    ``slot = block * block_size + offset``; negative slots are skipped.
+    ``key``/``value`` may be strided views (e.g. slices of a fused QKV)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+    n = num_kv_heads * head_dim
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        HEAD_DIM=head_dim, NUM_ELEMS=n, BLOCK=triton.next_power_of_2(n), BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4 if n >= 1024 else 1,
+    )
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    cache_ptrs_ptr, pairs_ptr, block_numel,
+    DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program (pair, cache, chunk) copies one chunk of block src to block dst
+    in one cache tensor; every cache's blocks are contiguous runs of
+    ``block_numel`` elements, and the caches are addressed by raw pointers so
+    all layers go in one launch."""
+    pair = tl.program_id(0)
+    cache = tl.program_id(1)
+    chunk = tl.program_id(2)
+    src = tl.load(pairs_ptr + 2 * pair).to(tl.int64)
+    dst = tl.load(pairs_ptr + 2 * pair + 1).to(tl.int64)
+    base = tl.load(cache_ptrs_ptr + cache).to(tl.pointer_type(DTYPE))
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < block_numel
+    x = tl.load(base + src * block_numel + offs, mask=ok)
+    tl.store(base + dst * block_numel + offs, x, mask=ok)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _blocks_contiguous(t: torch.Tensor) -> bool:
+    return t[0].is_contiguous() and t.stride(0) == t[0].numel()
+
+
+def copy_blocks(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:
+    """Copy-on-write across all layers: block ``dst`` becomes a copy of ``src``
+    for every (src, dst) row of int64 ``pairs`` [num_copies, 2].
+
+    The copies run in parallel, so no dst may also be a src in the same call
+    (the block manager's CoW targets are fresh blocks, so they never are)."""
+    if pairs.numel() == 0 or not kv_caches:
+        return
+    caches = [t for kv in kv_caches for t in kv]
+    first = caches[0]
+    uniform = all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device
+                  and _blocks_contiguous(t) for t in caches)
+    if not uniform or first.dtype not in _TL_DTYPES:
+        from pagedserve.kernels.reference import copy_blocks_ref  # odd layouts: plain torch
+        copy_blocks_ref(list(kv_caches), pairs)
+        return
+    block_numel = first[0].numel()
+    ptrs = torch.tensor([t.data_ptr() for t in caches], dtype=torch.int64, device=first.device)
+    pairs = pairs.to(device=first.device, dtype=torch.int64).contiguous()
+    block = min(4096, triton.next_power_of_2(block_numel))
+    grid = (pairs.shape[0], len(caches), triton.cdiv(block_numel, block))
+    _copy_blocks_kernel[grid](ptrs, pairs, block_numel, DTYPE=_TL_DTYPES[first.dtype], BLOCK=block, num_warps=4)
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    return _side_streams[index]
+
+
+def _runs(mapping: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(src, dst, length) runs of consecutive rows, so contiguous block ranges
+    move in one copy."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in mapping.tolist():
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def swap_blocks(
+    src_pool: torch.Tensor | Sequence[torch.Tensor],
+    dst_pool: torch.Tensor | Sequence[torch.Tensor],
+    mapping: torch.Tensor,
+) -> torch.cuda.Event | None:
+    """``dst_pool[dst] = src_pool[src]`` for every (src, dst) row of
+    ``mapping`` (int64 [n, 2], on the host). Pools are one tensor or matching
+    sequences of tensors (all layers' K and V) on any devices.
+
+    When a CUDA pool is involved the copies are queued non-blocking on a side
+    stream that first waits for the current stream (so blocks written by the
+    last forward are final), and a recorded event is returned. Before the next
+    forward, call ``torch.cuda.current_stream().wait_event(event)``: a
+    swapped-in block is then present, and a swapped-out GPU block is not
+    overwritten before it has left. Call ``event.synchronize()`` before the
+    host itself reads a swapped-out CPU block. Without CUDA the copies are done
+    on return and ``None`` is returned. Pin the CPU pool for real overlap.
+    """
+    srcs = [src_pool] if isinstance(src_pool, torch.Tensor) else list(src_pool)
+    dsts = [dst_pool] if isinstance(dst_pool, torch.Tensor) else list(dst_pool)
+    if len(srcs) != len(dsts):
+        raise ValueError(f"{len(srcs)} source pools for {len(dsts)} destination pools")
+    runs = _runs(mapping.cpu()) if mapping.numel() else []
+    cuda = next((t.device for t in srcs + dsts if t.is_cuda), None)
+    if cuda is None:
+        for src, dst in zip(srcs, dsts):
+            for s, d, n in runs:
+                dst[d:d + n].copy_(src[s:s + n])
+        return None
+    stream = _side_stream(cuda)
+    stream.wait_stream(torch.cuda.current_stream(cuda))
+    with torch.cuda.stream(stream):
+        for src, dst in zip(srcs, dsts):
+            for s, d, n in runs:
+                dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
