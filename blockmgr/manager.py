@@ -115,7 +115,8 @@ class BlockManager:
     # ---- the batched step -------------------------------------------------
 
     def step(self, req: StepRequest) -> StepReply:
-        self.commit_cached_blocks()
+        if not req.continues_step:
+            self.commit_cached_blocks()
         results: list[SeqResult] = []
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []

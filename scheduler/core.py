@@ -205,7 +205,7 @@ class Scheduler:
         if failed:
             ops += self._preempt_for(plan, failed)
         if ops:
-            return bm.StepRequest(ops)
+            return bm.StepRequest(ops, continues_step=True)
         return self._build_execute(plan)
 
     def _append_op(self, seq: Sequence, k: int) -> bm.Append:

@@ -69,6 +69,11 @@ Op = Allocate | Append | Free | Fork | SwapOut | SwapIn
 
 class StepRequest(msgspec.Struct, tag=10, array_like=True):
     ops: list[Op]
+    # False for the first request of a scheduler step: the previous step's
+    # forward pass has run, so the blocks it filled become prefix-cache hits.
+    # True for the extra rounds of the same step (preemption): those blocks'
+    # K/V is not written yet, and a sequence freed now must not leave them cached.
+    continues_step: bool = False
 
 
 class InitRequest(msgspec.Struct, tag=11, array_like=True):
