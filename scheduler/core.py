@@ -196,6 +196,10 @@ class Scheduler:
                         plan.new_seqs.append(seq)
                 else:
                     refused.add(group.request_id)
+        # An append that needed no new block gets no result: it succeeded.
+        for seq, k in plan.await_append.values():
+            plan.scheduled[seq.seq_id] = (seq, k)
+        plan.await_append.clear()
         self._settle_admissions(plan, refused)
         ops: list[bm.Op] = []
         for group in swap_refused:
@@ -249,11 +253,15 @@ class Scheduler:
         plan.admitted = []
 
     def _preempt_for(self, plan: _StepPlan, failed: list[tuple[Sequence, int]]) -> list[bm.Op]:
-        """Preempt the latest arrivals until each failed append can be retried."""
+        """Preempt the latest arrivals until each failed append can be retried.
+        Blocks a victim releases may be shared, so this is an estimate; a
+        retry that still finds no room comes back for another round."""
         ops: list[bm.Op] = []
+        released = 0
         for seq, k in failed:
             group = self._seq_group[seq.seq_id]
-            while group.request_id not in plan.preempted:
+            need = max(1, -(-(seq.num_computed_tokens + k) // self.cfg.block_size) - seq.num_blocks)
+            while group.request_id not in plan.preempted and released < need:
                 victim = self.running[-1]
                 if victim is group and len(self.running) == 1:
                     # Alone and still no room: waiting cannot help.
@@ -264,11 +272,10 @@ class Scheduler:
                     ops += [bm.Free(s) for s in self._pending_frees]
                     self._pending_frees = []
                     break
-                freed = victim_blocks(victim)
+                released += victim_blocks(victim)
                 ops += self._preempt(plan, victim)
-                if freed > 0:
-                    break
             if group.request_id not in plan.preempted:
+                released -= need
                 ops.append(self._append_op(seq, k))
                 plan.await_append[seq.seq_id] = (seq, k)
         return ops

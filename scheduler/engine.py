@@ -94,7 +94,7 @@ class EngineCore:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             block_size=ready.block_size,
-            num_gpu_blocks=ready.num_gpu_blocks,
+            num_gpu_blocks=ready.num_gpu_blocks - 1,  # block 0 is the blockmgr's null block
             max_model_len=ready.model.max_model_len,
             eos_token_ids=ready.model.eos_token_ids,
             preemption_mode=cfg.preemption_mode,

@@ -47,9 +47,11 @@ class ExecuteStep(msgspec.Struct, tag=30, array_like=True):
     block_diffs: list[BlockDiff]
     scheduled: list[ScheduledSeq]  # batch order
     finished: list[int]  # seq ids whose state the worker drops (before the step)
-    copies: list[tuple[int, int]] = []  # copy-on-write, (src, dst), before the forward
-    swap_in: list[tuple[int, int]] = []  # (cpu, gpu), before the forward
-    swap_out: list[tuple[int, int]] = []  # (gpu, cpu), before the forward
+    # Executed before the forward, in this order: swap_out, swap_in, copies
+    # (a block released by an earlier op of the step may be a later op's destination).
+    copies: list[tuple[int, int]] = []  # copy-on-write, (src, dst)
+    swap_in: list[tuple[int, int]] = []  # (cpu, gpu)
+    swap_out: list[tuple[int, int]] = []  # (gpu, cpu)
     # Swapped-out sequences keep their worker state but are not scheduled.
 
 

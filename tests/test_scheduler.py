@@ -1,0 +1,211 @@
+"""The pure scheduler, driven in-process with the real BlockManager and the
+SIMULATED worker, whose slot-level pool checks every block table it is sent."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedserve.blockmgr.manager import BlockManager
+from pagedserve.common.config import EngineConfig
+from pagedserve.common.messages import worker as wk
+from pagedserve.common.messages.frontend import AbortRequest, AddRequest, TokenDelta
+from pagedserve.common.messages.types import SamplingParams
+from pagedserve.gpuworker.sim_worker import SimWorker, expected_output
+from pagedserve.scheduler.engine import EngineCore, InProcessBlockClient, InProcessWorkerClient
+
+VOCAB = 500
+
+
+class RecordingWorker(InProcessWorkerClient):
+    """Keeps every ExecuteStep so tests can check what each step ran."""
+
+    def __init__(self, runner: SimWorker) -> None:
+        super().__init__(runner)
+        self.steps: list[wk.ExecuteStep] = []
+
+    def call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply:
+        if isinstance(req, wk.ExecuteStep):
+            self.steps.append(req)
+        return super().call(req, timeout_s)
+
+
+def make_engine(num_gpu_blocks: int, block_size: int = 4, num_cpu_blocks: int = 0, mode: str = "recompute",
+                max_num_seqs: int = 64, budget: int = 256, prefix_caching: bool = True,
+                ) -> tuple[EngineCore, RecordingWorker, InProcessBlockClient]:
+    cfg = EngineConfig(block_size=8 if block_size == 4 else block_size, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=budget, preemption_mode=mode, enable_prefix_caching=prefix_caching)
+    worker = RecordingWorker(SimWorker(num_gpu_blocks, block_size, num_cpu_blocks, VOCAB, max_model_len=4096))
+    blocks = InProcessBlockClient(lambda init: BlockManager(init.num_gpu_blocks, init.num_cpu_blocks,
+                                                            init.block_size, init.enable_prefix_caching,
+                                                            init.watermark))
+    return EngineCore(cfg, blocks, worker), worker, blocks
+
+
+def add(core: EngineCore, rid: str, prompt: list[int], max_tokens: int, t: float = 0.0) -> None:
+    core.handle(AddRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), t))
+
+
+def collect(deltas: list[TokenDelta]) -> dict[str, tuple[list[int], str | None]]:
+    out: dict[str, tuple[list[int], str | None]] = {}
+    for d in deltas:
+        toks, _ = out.get(d.request_id, ([], None))
+        out[d.request_id] = (toks + d.token_ids, d.finish_reason)
+    return out
+
+
+def assert_all_free(core: EngineCore, blocks: InProcessBlockClient) -> None:
+    core.step()  # flushes the last frees
+    blocks.manager.check_integrity()
+    s = blocks.manager.stats()
+    assert s.num_free_gpu_blocks == s.num_gpu_blocks
+    assert s.num_free_cpu_blocks == s.num_cpu_blocks
+    assert s.num_seqs == 0
+
+
+def random_prompts(n: int, rng: random.Random, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_fcfs_outputs_match_oracle_and_blocks_return() -> None:
+    core, worker, blocks = make_engine(num_gpu_blocks=200)
+    rng = random.Random(1)
+    prompts = random_prompts(12, rng)
+    lens = [rng.randint(1, 20) for _ in prompts]
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        add(core, f"r{i}", p, n, t=i)
+    out = collect(core.run_until_idle())
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        assert out[f"r{i}"] == (expected_output(p, n, VOCAB), "length")
+    assert_all_free(core, blocks)
+
+
+def test_budget_and_max_num_seqs_never_exceeded() -> None:
+    core, worker, blocks = make_engine(num_gpu_blocks=400, budget=20, max_num_seqs=5)
+    rng = random.Random(2)
+    for i, p in enumerate(random_prompts(20, rng, 5, 60)):
+        add(core, f"r{i}", p, rng.randint(1, 10), t=i)
+    core.run_until_idle()
+    assert worker.steps
+    for st in worker.steps:
+        assert sum(s.num_tokens for s in st.scheduled) <= 20
+        assert len(st.scheduled) <= 5
+
+
+def test_admission_is_fcfs() -> None:
+    core, worker, blocks = make_engine(num_gpu_blocks=400, max_num_seqs=1)
+    for i in range(4):
+        add(core, f"r{i}", [1, 2, 3, i], 3, t=i)
+    order = [d.request_id for d in core.run_until_idle() if d.finish_reason]
+    assert order == ["r0", "r1", "r2", "r3"]
+
+
+def test_chunked_prefill_interleaves_with_running_decodes() -> None:
+    core, worker, blocks = make_engine(num_gpu_blocks=400, budget=16)
+    add(core, "short", [5, 6, 7], 30, t=0)
+    first = core.step()  # prefill of the short request
+    long_prompt = list(range(1, 101))
+    add(core, "long", long_prompt, 5, t=1)
+    out = collect(first + core.run_until_idle())
+    assert out["long"] == (expected_output(long_prompt, 5, VOCAB), "length")
+    assert out["short"] == (expected_output([5, 6, 7], 30, VOCAB), "length")
+    # While the long prompt was prefilled in chunks, the short request decoded every step.
+    short_id, long_id = 1, 2
+    chunk_steps = [st for st in worker.steps if any(s.seq_id == long_id and s.num_tokens > 1 for s in st.scheduled)]
+    assert len(chunk_steps) >= 100 // 16
+    for st in chunk_steps:
+        sched = {s.seq_id: s.num_tokens for s in st.scheduled}
+        assert sched.get(short_id) == 1
+        assert sum(sched.values()) <= 16
+
+
+@pytest.mark.parametrize("mode,cpu_blocks", [("recompute", 0), ("swap", 64)])
+def test_preemption_under_memory_pressure_keeps_outputs(mode: str, cpu_blocks: int) -> None:
+    core, worker, blocks = make_engine(num_gpu_blocks=24, num_cpu_blocks=cpu_blocks, mode=mode)
+    rng = random.Random(3)
+    prompts = random_prompts(10, rng, 4, 12)
+    lens = [rng.randint(10, 30) for _ in prompts]
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        add(core, f"r{i}", p, n, t=i)
+    out = collect(core.run_until_idle())
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        assert out[f"r{i}"] == (expected_output(p, n, VOCAB), "length"), f"r{i}"
+    assert core.scheduler.num_preemptions > 0
+    if mode == "swap":
+        assert any(st.swap_out for st in worker.steps) and any(st.swap_in for st in worker.steps)
+    else:
+        assert not any(st.swap_out for st in worker.steps)
+    assert_all_free(core, blocks)
+
+
+def test_preemption_victim_is_latest_arrival() -> None:
+    # 3 requests that fit at first, then outgrow the pool: the last one goes first.
+    core, worker, blocks = make_engine(num_gpu_blocks=10)  # 9 usable blocks of 4 tokens
+    for i in range(3):
+        add(core, f"r{i}", [10 + i, 20, 30, 40], 12, t=i)
+    deltas = core.step()
+    sch = core.scheduler
+    assert [g.request_id for g in sch.running] == ["r0", "r1", "r2"]
+    while sch.num_preemptions == 0:
+        deltas += core.step()
+    assert [g.request_id for g in sch.waiting] == ["r2"]
+    assert [g.request_id for g in sch.running] == ["r0", "r1"]
+    out = collect(deltas + core.run_until_idle())
+    for i in range(3):
+        assert out[f"r{i}"][0] == expected_output([10 + i, 20, 30, 40], 12, VOCAB)
+
+
+def test_recompute_then_resume_reuses_prefix_cache() -> None:
+    core, worker, blocks = make_engine(num_gpu_blocks=10)
+    for i in range(3):
+        add(core, f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8 + i], 12, t=i)
+    out = collect(core.run_until_idle())
+    for i in range(3):
+        assert out[f"r{i}"][0] == expected_output([1, 2, 3, 4, 5, 6, 7, 8 + i], 12, VOCAB)
+    assert core.scheduler.num_preemptions > 0
+    readmitted = [ns for st in worker.steps for ns in st.new_seqs if len(ns.token_ids) > ns.num_prompt_tokens]
+    assert readmitted, "a preempted request was re-admitted with its generated tokens"
+    assert blocks.manager.stats().prefix_cache_hits > 0
+
+
+def test_swap_out_then_swap_in_order() -> None:
+    core, worker, blocks = make_engine(num_gpu_blocks=10, num_cpu_blocks=32, mode="swap")
+    for i in range(3):
+        add(core, f"r{i}", [10 + i, 20, 30, 40], 12, t=i)
+    core.run_until_idle()
+    outs = [i for i, st in enumerate(worker.steps) if st.swap_out]
+    ins = [i for i, st in enumerate(worker.steps) if st.swap_in]
+    assert outs and ins and outs[0] < ins[0]
+    # The swapped-in blocks are exactly the CPU blocks written by the swap-out.
+    cpu_out = {cpu for st in worker.steps for _, cpu in st.swap_out}
+    cpu_in = {cpu for st in worker.steps for cpu, _ in st.swap_in}
+    assert cpu_in <= cpu_out
+
+
+@pytest.mark.parametrize("where", ["waiting", "running", "swapped"])
+def test_abort_frees_everything(where: str) -> None:
+    core, worker, blocks = make_engine(num_gpu_blocks=10, num_cpu_blocks=32, mode="swap", max_num_seqs=3)
+    for i in range(4):
+        add(core, f"r{i}", [10 + i, 20, 30, 40], 20, t=i)
+    sch = core.scheduler
+    for _ in range(200):
+        core.step()
+        pool = {"waiting": sch.waiting, "running": sch.running, "swapped": sch.swapped}[where]
+        if pool:
+            break
+    victim = pool[-1].request_id
+    core.handle(AbortRequest([victim]))
+    deltas = core.run_until_idle()
+    assert any(d.request_id == victim and d.finish_reason == "abort" for d in deltas)
+    assert_all_free(core, blocks)
+
+
+def test_request_that_can_never_fit_gets_an_error() -> None:
+    core, worker, blocks = make_engine(num_gpu_blocks=4)  # 3 usable blocks: 12 tokens
+    add(core, "big", list(range(1, 30)), 3)
+    add(core, "grows", [1, 2, 3], 40)
+    out = core.run_until_idle()
+    errs = {d.request_id: d.error for d in out if d.finish_reason == "error"}
+    assert "big" in errs and "KV blocks" in errs["big"]
+    assert "grows" in errs and "outgrew" in errs["grows"]
+    assert_all_free(core, blocks)
