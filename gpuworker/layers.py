@@ -1,0 +1,136 @@
+"""Layers shared by the model families: norms, rotary embedding, the paged
+attention layer, and the per-step attention metadata they all read.
+
+Every layer works on a flat batch: ``[num_tokens, ...]`` with the tokens of all
+scheduled sequences concatenated (no padding), as in the paper's engine.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.kernels import AttentionBackend, get_attention_backend
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token's K/V goes and which cached K/V each sequence reads.
+
+    slot_mapping    int64 [num_tokens]: block * block_size + offset
+    block_tables    int32 [num_seqs, max_blocks]
+    seq_lens        int32 [num_seqs]: cached tokens including this step's
+    query_start_loc int32 [num_seqs + 1]
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_seq_len: int
+    max_query_len: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed, new residual); with ``residual`` given, adds it first
+        (the fused add+norm of every pre-norm decoder layer)."""
+        if residual is not None:
+            x = x + residual
+        residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype), residual
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm with the same (x, residual) -> (normed, residual) interface."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        if residual is not None:
+            x = x + residual
+        return super().forward(x), x
+
+
+def _rope_inv_freq(dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
+    base = float(params.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(params["factor"])
+    if kind == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params.get("original_max_position_embeddings", max_position))
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE from a precomputed cos/sin cache indexed by
+    each token's absolute position, so chunks and decodes need no offsets."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        inv_freq = _rope_inv_freq(head_dim, params, max_position)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_position, head_dim / 2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the pool through the slot mapping, then
+    attends from the pool through the block tables (new tokens included)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.backend: AttentionBackend = get_attention_backend("torch", "cpu")  # the runner sets the real one
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        self.backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.backend.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
+            max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len,
+        )
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
