@@ -31,7 +31,7 @@ _LOG2E = 1.4426950408889634
 def _find_seq_idx(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
     """Largest i with query_start_loc[i] // BLOCK_Q + i <= target."""
     left: tl.int32 = 0
-    right = num_seqs
+    right: tl.int32 = num_seqs  # a tensor even if num_seqs was specialised to a constant
     while left < right:
         mid = (left + right) // 2
         start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -226,14 +226,14 @@ def paged_attention(
     precision = "ieee" if q.dtype == torch.float32 or dot_fp32 else "tf32"
 
     kv_bound = max_seq_len if max_seq_len is not None else block_tables.shape[1] * block_size
-    programs = (num_tokens // block_q + num_seqs) * num_kv_heads
+    programs = (num_seqs if decode else num_tokens // block_q + num_seqs) * num_kv_heads
     num_splits = 1
     if partition_size is not None:
         if partition_size % 16:
             raise ValueError(f"partition_size must be a multiple of 16, got {partition_size}")
         block_n = next(n for n in (block_n, 32, 16) if partition_size % n == 0)
         num_splits = triton.cdiv(kv_bound, partition_size)
-    elif decode and programs < 2 * _num_sms(q.device) and kv_bound > 512:
+    elif decode and programs < 2 * _num_sms(q.device) and kv_bound >= 512:
         # Flash-decoding: enough partitions to fill the SMs twice, each >= 256 keys.
         num_splits = min(triton.cdiv(kv_bound, 256), triton.cdiv(2 * _num_sms(q.device), programs))
         partition_size = triton.cdiv(triton.cdiv(kv_bound, num_splits), block_n) * block_n
@@ -259,7 +259,9 @@ def paged_attention(
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n,
         SPLIT=split, DOT_FP32=dot_fp32, PRECISION=precision,
-        num_warps=4 if head_dim_p <= 128 else 8, num_stages=2,
+        num_warps=4 if head_dim_p <= 128 else 8,
+        # fp32 tiles at head_dim 256 would not fit shared memory twice over.
+        num_stages=1 if q.dtype == torch.float32 and head_dim_p > 128 else 2,
     )
     if split:
         _reduce_kernel[(num_tokens, num_heads)](
