@@ -36,12 +36,29 @@ def handle(runner: ModelRunner, msg: wk.Request) -> wk.Reply:
         return wk.WorkerError(f"{type(e).__name__}: {e}")
 
 
+def _limit_cpu_threads(device: str) -> None:
+    """On CPU the worker shares the machine with the other three processes;
+    intra-op threads that outnumber the free cores spin-wait on each other and
+    make small ops 10x slower, so leave one core free (override with
+    PAGEDSERVE_WORKER_THREADS)."""
+    import os
+
+    import torch
+
+    env = os.environ.get("PAGEDSERVE_WORKER_THREADS")
+    if env:
+        torch.set_num_threads(int(env))
+    elif device == "cpu":
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedserve gpuworker", description="model forward, KV pool and sampling")
     add_engine_args(parser)
     add_address_args(parser)
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
+    _limit_cpu_threads(cfg.device)
 
     runner = ModelRunner(cfg)
     try:

@@ -260,3 +260,16 @@ def test_pool_sizing_from_kv_cache_memory(ckpt: tuple[str, torch.nn.Module]) -> 
     assert runner.cache.gpu[0][0].shape == (ready.num_gpu_blocks, 16, cfg.num_key_value_heads, head_dim)
     assert ready.model.eos_token_ids == (0,) and ready.model.vocab_size == 509
     assert ready.model.max_model_len == 512
+
+
+def test_triton_backend_matches_transformers(ckpt: tuple[str, torch.nn.Module]) -> None:
+    """The Triton kernels (interpreted on CPU) in the real forward: small on purpose."""
+    folder, hf = ckpt
+    runner = make_runner(folder, attention_backend="triton", num_gpu_blocks=16)
+    assert runner.backend.name == "triton"
+    d = Driver(runner)
+    ps = prompts(2, [11, 4], seed=8)
+    d.step({0: 11, 1: 4}, new={0: (ps[0], GREEDY), 1: (ps[1], GREEDY)})
+    d.step({0: 1, 1: 1})
+    for i in range(2):
+        assert_logits_close(runner.last_logits[i], hf_logits(hf, d.tokens[i][:-1])[-1])
