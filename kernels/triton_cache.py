@@ -92,6 +92,20 @@ def _blocks_contiguous(t: torch.Tensor) -> bool:
     return t[0].is_contiguous() and t.stride(0) == t[0].numel()
 
 
+_pointer_tables: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+
+def _pointer_table(caches: list[torch.Tensor]) -> torch.Tensor:
+    """The caches' base addresses as a device tensor, built once per pool
+    (the pool is allocated once, so this is one small upload per process)."""
+    key = (caches[0].device, tuple(t.data_ptr() for t in caches))
+    if key not in _pointer_tables:
+        if len(_pointer_tables) >= 8:
+            _pointer_tables.clear()
+        _pointer_tables[key] = torch.tensor(key[1], dtype=torch.int64, device=key[0])
+    return _pointer_tables[key]
+
+
 def copy_blocks(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:
     """Copy-on-write across all layers: block ``dst`` becomes a copy of ``src``
     for every (src, dst) row of int64 ``pairs`` [num_copies, 2].
@@ -109,7 +123,7 @@ def copy_blocks(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], pairs: t
         copy_blocks_ref(list(kv_caches), pairs)
         return
     block_numel = first[0].numel()
-    ptrs = torch.tensor([t.data_ptr() for t in caches], dtype=torch.int64, device=first.device)
+    ptrs = _pointer_table(caches)
     pairs = pairs.to(device=first.device, dtype=torch.int64).contiguous()
     block = min(4096, triton.next_power_of_2(block_numel))
     grid = (pairs.shape[0], len(caches), triton.cdiv(block_numel, block))

@@ -76,8 +76,9 @@ def make_batch(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, h
     q_lens = torch.tensor([q for _, q in seqs], dtype=torch.int32)
     qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(q_lens, 0)
-    q = torch.randn(int(qsl[-1]), num_heads, head_dim)
-    return Batch(q.to(device, dtype), k_cache.to(device, dtype), v_cache.to(device, dtype), tables.to(device),
+    # q as a strided view, the way a fused QKV projection hands it over
+    q = torch.randn(int(qsl[-1]), num_heads + 2, head_dim).to(device, dtype)[:, 1:num_heads + 1]
+    return Batch(q, k_cache.to(device, dtype), v_cache.to(device, dtype), tables.to(device),
                  torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device), qsl.to(device),
                  head_dim ** -0.5)
 
