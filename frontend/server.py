@@ -31,7 +31,7 @@ log = logging.getLogger("pagedserve.frontend")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-_ERROR_CODES = {"does not fit": grpc.StatusCode.RESOURCE_EXHAUSTED, "outgrew": grpc.StatusCode.RESOURCE_EXHAUSTED}
+_ERROR_CODES = {"KV": grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -48,7 +48,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     @property
     def limits(self) -> Limits:
-        return Limits(self.info.model.vocab_size, self.info.model.max_model_len, self.max_prompt_chars)
+        info = self.info
+        # Block 0 is the blockmgr's null block; a prompt needs room for one more token.
+        kv_slots = (info.num_gpu_blocks - 1) * info.block_size
+        return Limits(info.model.vocab_size, info.model.max_model_len, self.max_prompt_chars, kv_slots)
 
     async def _require_ready(self, context: grpc.aio.ServicerContext) -> None:
         if self.engine.info is None:

@@ -30,6 +30,7 @@ class Limits:
     vocab_size: int
     max_model_len: int
     max_prompt_chars: int = 1_000_000
+    kv_slots: int | None = None  # token slots in the whole KV pool
 
 
 def check_request_id(rid: str) -> None:
@@ -56,6 +57,8 @@ def check_prompt_ids(ids: list[int], limits: Limits, field: str) -> None:
     if len(ids) >= limits.max_model_len:
         raise ValidationError(f"{field}: {len(ids)} tokens leaves no room to generate within "
                               f"max_model_len={limits.max_model_len}")
+    if limits.kv_slots is not None and len(ids) + 1 > limits.kv_slots:
+        raise ValidationError(f"{field}: {len(ids)} tokens do not fit in the KV cache ({limits.kv_slots} token slots)")
     bad = next((t for t in ids if t >= limits.vocab_size), None)
     if bad is not None:
         raise ValidationError(f"{field}: token id {bad} is outside the vocabulary (vocab_size={limits.vocab_size})")

@@ -75,7 +75,7 @@ def main(argv: list[str]) -> int:
     try:
         for name in COMPONENTS:
             extra = ["--host", args.host, "--port", str(args.port)] if name == "frontend" else []
-            procs[name] = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", name, *common, *extra],
+            procs[name] = subprocess.Popen([sys.executable, "-m", "pagedserve", name, *common, *extra],
                                            env=env, preexec_fn=_die_with_parent)
         addr = f"{args.host}:{args.port}"
         if not wait_healthy(addr, args.start_timeout, lambda: not stopping and all(

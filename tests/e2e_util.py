@@ -1,0 +1,99 @@
+"""Starting the real four processes with `pagedserve serve` for end-to-end tests."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from pagedserve.client import GenerationClient
+
+_SERVING = re.compile(r"serving .* on (\S+) \(pids (.*)\)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    addr: str
+    pids: dict[str, int]
+    log: list[str] = field(default_factory=list)
+
+    def client(self) -> GenerationClient:
+        return GenerationClient(self.addr)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@contextmanager
+def serve(*args: str, timeout_s: float = 300.0, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """Runs `pagedserve serve ARGS`, yields once it prints its address, then
+    stops it with SIGINT (as Ctrl-C does) and checks nothing is left behind."""
+    port = free_port()
+    run_dirs_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "pagedserve-*")))
+    cmd = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
+    log: list[str] = []
+    found: dict[str, str] = {}
+    ready = threading.Event()
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.append(line)
+            m = _SERVING.search(line)
+            if m:
+                found["addr"], found["pids"] = m.group(1), m.group(2)
+                ready.set()
+        ready.set()
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    if not ready.wait(timeout_s) or "addr" not in found:
+        proc.kill()
+        raise RuntimeError("server did not start:\n" + "".join(log[-60:]))
+    pids = {k: int(v) for k, v in (p.split("=") for p in found["pids"].split(", "))}
+    server = Server(proc, found["addr"], pids, log)
+    try:
+        yield server
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        t.join(5)
+        deadline = time.monotonic() + 10
+        while any(_pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [n for n, p in pids.items() if _pid_alive(p)]
+        assert not left, f"processes left behind after Ctrl-C: {left}"
+        stale = set(glob.glob(os.path.join(tempfile.gettempdir(), "pagedserve-*"))) - run_dirs_before
+        assert not stale, f"ipc run directories left behind: {stale}"
+        assert rc == 0, "serve exited with %d:\n%s" % (rc, "".join(log[-40:]))

@@ -1,0 +1,181 @@
+"""End to end on CPU: the real four processes (`pagedserve serve`), a real gRPC
+client, and transformers' own greedy `generate` on the same weights."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from e2e_util import Server, serve
+from models import make_tiny_model
+
+
+
+PROMPTS = [
+    "The quick brown fox",
+    "What is the capital of France? Paris is the capital of France, and Berlin is",
+    "A paged KV cache stores keys and values in fixed-size blocks, so memory is allocated on demand and shared",
+    "Hello",
+    "Once upon a time, a small model learned to count",
+    "Unicode too: café, naïve, 東京",
+]
+MAX_TOKENS = [12, 5, 20, 9, 16, 7]
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    new = out[0, len(prompt_ids):].tolist()
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    for i, t in enumerate(new):  # generate pads after EOS
+        if t in eos_ids:
+            return new[:i + 1]
+    return new
+
+
+def tokenize(model_dir: str, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return list(AutoTokenizer.from_pretrained(model_dir)(text).input_ids)
+
+
+def run_concurrently(server: Server, jobs: list[tuple[str, int]]) -> list[list[int]]:
+    results: list[list[int] | BaseException] = [[] for _ in jobs]
+
+    def one(i: int, prompt: str, n: int) -> None:
+        try:
+            with server.client() as c:
+                results[i], _, _ = c.generate(prompt, max_tokens=n, temperature=0.0, timeout=300)
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i, p, n)) for i, (p, n) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]
+
+
+def wait_all_free(server: Server, timeout_s: float = 20.0) -> None:
+    with server.client() as c:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = c.server_info()
+            if (info.num_free_gpu_blocks == info.num_gpu_blocks and info.num_running == 0
+                    and info.num_waiting == 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    assert info.num_running == 0 and info.num_waiting == 0
+    assert info.num_free_gpu_blocks == info.num_gpu_blocks, info
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_dir: str) -> Iterator[Server]:
+    with serve("--model", llama_dir, "--num-gpu-blocks", "256", "--max-num-seqs", "8") as s:
+        yield s
+
+
+def test_tiny_llama_concurrent_greedy_equals_transformers(llama_server: Server, llama_dir: str) -> None:
+    got = run_concurrently(llama_server, list(zip(PROMPTS, MAX_TOKENS)))
+    for prompt, n, tokens in zip(PROMPTS, MAX_TOKENS, got):
+        assert tokens == hf_greedy(llama_dir, tokenize(llama_dir, prompt), n), prompt
+    wait_all_free(llama_server)
+
+
+def test_tiny_qwen2_in_a_small_pool_waits_and_matches(tmp_path: Path) -> None:
+    """Long prompts (several blocks each) and more requests than fit at once:
+    they wait, complete correctly, and every block is free afterwards."""
+    model_dir = make_tiny_model(tmp_path, "qwen2", seed=1)
+    jobs = [(p + " " + p, n + 10) for p, n in zip(PROMPTS * 2, MAX_TOKENS * 2)]
+    # 15 usable blocks of 8 tokens = 120 slots: each request fits alone, but
+    # the 12 together need several times that.
+    with serve("--model", model_dir, "--num-gpu-blocks", "16", "--block-size", "8") as server:
+        got = run_concurrently(server, jobs)
+        prompt_ids = [tokenize(model_dir, p) for p, _ in jobs]
+        assert sum(len(ids) > 8 for ids in prompt_ids) >= 6, "most prompts span several blocks"
+        assert sum(len(ids) + n for ids, (_, n) in zip(prompt_ids, jobs)) > 3 * 120, "the pool holds a third at most"
+        for (prompt, n), ids, tokens in zip(jobs, prompt_ids, got):
+            assert tokens == hf_greedy(model_dir, ids, n), prompt
+        wait_all_free(server)
+
+
+def test_cancelled_stream_frees_its_blocks(llama_server: Server) -> None:
+    with llama_server.client() as c:
+        stream = c.stream("Once upon a time", max_tokens=400, temperature=0.0, ignore_eos=True)
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        info = c.server_info()
+        assert info.num_running == 1 and info.num_free_gpu_blocks < info.num_gpu_blocks
+        stream.cancel()
+    wait_all_free(llama_server)
+
+
+BAD_REQUESTS = [
+    ({"prompt": ""}, "prompt: must not be empty"),
+    ({"prompt": "word " * 600}, "max_model_len"),
+    ({"prompt_token_ids": [1, 2, 100000]}, "outside the vocabulary"),
+    ({"prompt": "hi", "temperature": -1.0}, "temperature"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 100000}, "max_model_len"),
+    ({"prompt": "hi", "top_p": 0.0}, "top_p"),
+    ({"prompt": "hi", "stop_token_ids": [100000]}, "stop_token_ids"),
+    ({"prompt": "hi", "request_id": "x" * 500}, "request_id"),
+]
+
+
+@pytest.mark.parametrize("fields,message", BAD_REQUESTS, ids=[m for _, m in BAD_REQUESTS])
+def test_bad_input_is_invalid_argument_and_server_keeps_serving(llama_server: Server, fields: dict[str, object],
+                                                                 message: str) -> None:
+    from pagedserve.v1 import generation_pb2 as pb
+
+    fields = dict(fields)
+    req = pb.GenerateRequest(request_id=str(fields.pop("request_id", "")))
+    if "prompt" in fields:
+        req.prompt = str(fields.pop("prompt"))
+    if "prompt_token_ids" in fields:
+        req.prompt_token_ids.ids.extend(fields.pop("prompt_token_ids"))  # type: ignore[arg-type]
+    req.sampling_params.CopyFrom(pb.SamplingParams(**fields))  # type: ignore[arg-type]
+    with llama_server.client() as c:
+        with pytest.raises(grpc.RpcError) as err:
+            list(c.stub.Generate(req, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in err.value.details()
+        ids, _, reason = c.generate("Hello", max_tokens=3, temperature=0.0)
+        assert len(ids) >= 1 and reason in ("stop", "length")
+
+
+def test_model_info(llama_server: Server, llama_dir: str) -> None:
+    with llama_server.client() as c:
+        info = c.model_info()
+    assert info.vocab_size == 509 and info.max_model_len == 512 and info.block_size == 16
+    assert len(info.eos_token_ids) >= 1
+
+
+def test_seeded_sampling_is_reproducible(llama_server: Server) -> None:
+    with llama_server.client() as c:
+        a, _, _ = c.generate("Hello", max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
+        b, _, _ = c.generate("Hello", max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
+        d, _, _ = c.generate("Hello", max_tokens=10, temperature=1.0, seed=999, ignore_eos=True)
+    assert a == b and len(a) == 10
+    assert a != d
