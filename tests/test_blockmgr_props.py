@@ -1,0 +1,247 @@
+"""Property-based tests: random allocate/append/fork/free/swap/prefix-hit
+sequences against BlockManager, with a simulated worker.
+
+The simulated worker keeps one token id per KV slot. After each step it
+applies the reply exactly as the real worker would (block-table diffs, then
+swap_out, swap_in and CoW copies, then the forward pass writes the step's
+tokens), so after every step each sequence's table must read back its own
+tokens. That checks prefix-cache hits, CoW, swaps and the diffs end to end;
+``check_integrity`` checks ownership and ref counts; writes assert that no
+other sequence holds the block being written.
+"""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedserve.blockmgr.manager import BlockManager
+from pagedserve.common.messages.blockmgr import (
+    Allocate,
+    Append,
+    Fork,
+    Free,
+    Status,
+    StepRequest,
+    SwapIn,
+    SwapOut,
+)
+
+# prompts share prefixes so that the prefix cache hits often
+BASES = [[(7 * i + j) % 11 for j in range(40)] for i in range(3)]
+tokens_st = st.lists(st.integers(0, 10), min_size=1, max_size=6)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    @initialize(
+        caching=st.booleans(),
+        gpu=st.integers(3, 24),
+        cpu=st.integers(0, 12),
+        bs=st.sampled_from([1, 2, 4]),
+        watermark=st.sampled_from([0.0, 0.1]),
+    )
+    def setup(self, caching: bool, gpu: int, cpu: int, bs: int, watermark: float) -> None:
+        self.m = BlockManager(gpu, cpu, bs, enable_prefix_caching=caching, watermark=watermark)
+        self.bs = bs
+        self.gpu_mem: dict[int, list[int | None]] = {i: [None] * bs for i in range(gpu)}
+        self.cpu_mem: dict[int, list[int | None]] = {i: [None] * bs for i in range(cpu)}
+        self.tokens: dict[int, list[int]] = {}  # tokens whose K/V is written
+        self.tables: dict[int, list[int]] = {}  # GPU tables, rebuilt from the replies' diffs
+        self.next_id = 0
+
+    # ---- helpers ------------------------------------------------------------
+
+    def gpu_seqs(self) -> list[int]:
+        return sorted(s for s in self.tokens if not self.m.seqs[s].on_cpu)
+
+    def cpu_seqs(self) -> list[int]:
+        return sorted(s for s in self.tokens if self.m.seqs[s].on_cpu)
+
+    def snapshot(self) -> tuple:
+        st_ = self.m.stats()
+        return (st_.num_free_gpu_blocks, st_.num_free_cpu_blocks, st_.num_shared_block_refs,
+                {s: (self.m.block_table(s), self.m.seqs[s].num_tokens) for s in self.m.seqs})
+
+    def write(self, seq: int, start: int, toks: list[int]) -> None:
+        table = self.tables[seq]
+        for i, t in enumerate(toks, start):
+            b = table[i // self.bs]
+            assert b != 0, "null block handed out"
+            holders = [s for s, tb in self.tables.items() if s != seq and b in tb]
+            assert not holders, f"seq {seq} writes block {b} shared with {holders}"
+            assert self.m.gpu.blocks[b].ref_cnt == 1
+            self.gpu_mem[b][i % self.bs] = t
+
+    def run(self, ops: list, writes: dict[int, tuple[str, list[int]]]) -> dict:
+        """One step. ``writes``: seq -> ("alloc", prompt) or ("append", tokens)."""
+        before = self.snapshot()
+        reply = self.m.step(StepRequest(ops))
+        self.m.check_integrity()
+        by_seq = {}
+        blocked = False
+        for r in reply.results:
+            assert r.seq_id not in by_seq
+            by_seq[r.seq_id] = r
+        # FCFS: after the first NO_ROOM, every later Allocate/SwapIn is NO_ROOM
+        for op in ops:
+            ids = [op.seq_id] if isinstance(op, (Allocate, Append)) else getattr(op, "seq_ids", [])
+            for s in ids:
+                r = by_seq.get(s)
+                if blocked and isinstance(op, (Allocate, SwapIn)):
+                    assert r is not None and r.status is Status.NO_ROOM
+                if r is not None and r.status is Status.NO_ROOM:
+                    blocked = True
+        if len(ops) == 1 and reply.results and all(r.status is Status.NO_ROOM for r in reply.results):
+            assert self.snapshot() == before, "a NO_ROOM op changed the manager"
+        # the scheduler's view: apply table diffs
+        for r in reply.results:
+            if r.status is Status.OK:
+                if r.seq_id not in self.tables:
+                    self.tables[r.seq_id] = []
+                self.tables[r.seq_id][r.table_start:] = r.block_ids
+        # the worker: swap out, swap in, copy-on-write, then the forward pass
+        for g, c in reply.swap_out:
+            self.cpu_mem[c] = list(self.gpu_mem[g])
+        for c, g in reply.swap_in:
+            self.gpu_mem[g] = list(self.cpu_mem[c])
+        for src, dst in reply.copies:
+            self.gpu_mem[dst] = list(self.gpu_mem[src])
+        # a prefix-cache hit must read K/V written by an earlier step's forward
+        for seq, (kind, toks) in writes.items():
+            r = by_seq.get(seq)
+            if kind == "alloc" and r is not None and r.status is Status.OK:
+                table = self.tables[seq]
+                got = [self.gpu_mem[table[i // self.bs]][i % self.bs] for i in range(r.num_cached_tokens)]
+                assert got == toks[: r.num_cached_tokens], "cache hit on K/V not yet written"
+        # a swap moves each distinct block once: sharing inside the group survives
+        for op in ops:
+            if isinstance(op, (SwapOut, SwapIn)) and by_seq[op.seq_ids[0]].status is Status.OK:
+                pairs = {(o, n) for s in op.seq_ids for o, n in zip(before[3][s][0], self.m.block_table(s))}
+                assert len({o for o, _ in pairs}) == len(pairs) == len({n for _, n in pairs}), pairs
+        for seq, (kind, toks) in writes.items():
+            r = by_seq.get(seq)
+            if r is not None and r.status is Status.NO_ROOM:
+                if kind == "alloc":
+                    del self.tables[seq]
+                continue
+            if kind == "alloc":
+                assert r is not None
+                n = r.num_cached_tokens + r.num_scheduled_tokens
+                assert r.num_cached_tokens % self.bs == 0 and r.num_cached_tokens < len(toks)
+                self.tokens[seq] = toks[:n]
+                self.write(seq, r.num_cached_tokens, toks[r.num_cached_tokens:n])
+            else:
+                start = len(self.tokens[seq])
+                self.tokens[seq] += toks
+                self.write(seq, start, toks)
+        for op in ops:
+            if isinstance(op, Fork):
+                self.tokens[op.child_seq_id] = list(self.tokens[op.parent_seq_id])
+        return by_seq
+
+    # ---- rules --------------------------------------------------------------
+
+    @rule(base=st.integers(0, 2), n=st.integers(1, 40), suffix=st.lists(st.integers(0, 10), max_size=5),
+          chunk=st.integers(0, 40), salt=st.sampled_from([None, None, "tenant"]))
+    def allocate(self, base: int, n: int, suffix: list[int], chunk: int, salt: str | None) -> None:
+        prompt = BASES[base][:n] + suffix
+        seq = self.next_id
+        self.next_id += 1
+        self.tables[seq] = []
+        num_new = chunk if chunk else len(prompt)
+        self.run([Allocate(seq, prompt, num_new, salt)], {seq: ("alloc", prompt)})
+
+    @precondition(lambda self: self.gpu_seqs())
+    @rule(pick=st.integers(0, 1000), toks=tokens_st)
+    def append(self, pick: int, toks: list[int]) -> None:
+        seqs = self.gpu_seqs()
+        seq = seqs[pick % len(seqs)]
+        self.run([Append(seq, toks)], {seq: ("append", toks)})
+
+    @precondition(lambda self: self.gpu_seqs())
+    @rule(pick=st.integers(0, 1000))
+    def fork(self, pick: int) -> None:
+        seqs = self.gpu_seqs()
+        parent = seqs[pick % len(seqs)]
+        child = self.next_id
+        self.next_id += 1
+        self.run([Fork(parent, child)], {})
+
+    @precondition(lambda self: self.tokens)
+    @rule(pick=st.integers(0, 1000))
+    def free(self, pick: int) -> None:
+        seqs = sorted(self.tokens)
+        seq = seqs[pick % len(seqs)]
+        self.run([Free(seq)], {})
+        del self.tokens[seq]
+        self.tables.pop(seq, None)
+
+    @precondition(lambda self: self.gpu_seqs())
+    @rule(picks=st.lists(st.integers(0, 1000), min_size=1, max_size=4))
+    def swap_out(self, picks: list[int]) -> None:
+        seqs = self.gpu_seqs()
+        group = sorted({seqs[p % len(seqs)] for p in picks})
+        self.run([SwapOut(group)], {})
+
+    @precondition(lambda self: self.cpu_seqs())
+    @rule(picks=st.lists(st.integers(0, 1000), min_size=1, max_size=4))
+    def swap_in(self, picks: list[int]) -> None:
+        seqs = self.cpu_seqs()
+        group = sorted({seqs[p % len(seqs)] for p in picks})
+        self.run([SwapIn(group)], {})
+
+    @rule(base=st.integers(0, 2), n=st.integers(1, 40), toks=st.lists(st.integers(0, 10), min_size=1, max_size=3),
+          admit=st.integers(0, 2))
+    def decode_step(self, base: int, n: int, toks: list[int], admit: int) -> None:
+        """A realistic step: every running sequence decodes, then admissions."""
+        ops: list = []
+        writes: dict[int, tuple[str, list[int]]] = {}
+        for seq in self.gpu_seqs():
+            ops.append(Append(seq, toks))
+            writes[seq] = ("append", toks)
+        for _ in range(admit):
+            seq = self.next_id
+            self.next_id += 1
+            prompt = BASES[base][:n]
+            ops.append(Allocate(seq, prompt, len(prompt)))
+            writes[seq] = ("alloc", prompt)
+            self.tables[seq] = []
+        if self.cpu_seqs():
+            ops.append(SwapIn(self.cpu_seqs()[:1]))
+        self.run(ops, writes)
+
+    # ---- invariants ---------------------------------------------------------
+
+    @invariant()
+    def tables_read_back_their_tokens(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        assert set(self.m.seqs) == set(self.tokens)
+        for seq, toks in self.tokens.items():
+            s = self.m.seqs[seq]
+            assert s.num_tokens == len(toks)
+            if s.on_cpu:
+                mem, table = self.cpu_mem, self.m.block_table(seq)
+            else:
+                mem, table = self.gpu_mem, self.tables[seq]
+                assert table == self.m.block_table(seq), "diffs do not rebuild the table"
+            got = [mem[table[i // self.bs]][i % self.bs] for i in range(len(toks))]
+            assert got == toks, f"seq {seq} reads {got}, wrote {toks}"
+
+    def teardown(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        for seq in list(self.tokens):
+            self.m.free(seq)
+        self.m.check_integrity()
+        st_ = self.m.stats()
+        assert st_.num_free_gpu_blocks == st_.num_gpu_blocks, "GPU blocks leaked"
+        assert st_.num_free_cpu_blocks == st_.num_cpu_blocks, "CPU blocks leaked"
+        assert st_.num_shared_block_refs == 0 and st_.num_seqs == 0
+        assert st_.prefix_cache_hits <= st_.prefix_cache_queries
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestBlockManagerProperties = BlockManagerMachine.TestCase
