@@ -81,9 +81,11 @@ class ModelRunner:
         for m in self.model.modules():
             if isinstance(m, PagedAttention):
                 m.backend = self.backend
-        self.num_layers = hf.num_hidden_layers
+        self.num_layers = self.model.num_layers
         self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim
         self.vocab_size = hf.vocab_size
+        eos = eos_token_ids(folder, hf)
+        self.sampler = Sampler(cfg.seed, eos)  # before sizing: the CUDA profile runs it
         per_block = bytes_per_block(self.num_layers, cfg.block_size, self.num_kv_heads, self.head_dim, self.dtype)
         num_gpu_blocks = self._num_gpu_blocks(per_block)
         num_cpu_blocks = int(cfg.swap_space * (1 << 30)) // per_block
@@ -91,8 +93,6 @@ class ModelRunner:
             self.num_layers, num_gpu_blocks, num_cpu_blocks, cfg.block_size,
             self.num_kv_heads, self.head_dim, self.dtype, self.device, self.backend,
         )
-        self.sampler = Sampler(cfg.seed)
-        eos = eos_token_ids(folder, hf)
         name = "SmolLM2-135M-Instruct" if cfg.model is None else os.path.basename(os.path.normpath(folder))
         info = ModelInfo(
             model_name=name, vocab_size=self.vocab_size, max_model_len=self.max_model_len, eos_token_ids=eos,
@@ -146,7 +146,8 @@ class ModelRunner:
         ids = torch.zeros(n_tok, dtype=torch.long, device=dev)
         hidden = self.model(ids, positions, scratch.gpu, meta)
         logits = self.model.compute_logits(hidden[: min(cfg.max_num_seqs, n_tok)])
-        self.sampler(logits, [SamplingParams(temperature=1.0, top_p=0.9)] * logits.shape[0], [0] * logits.shape[0])
+        dummy = SeqState(0, [0], [], 0, SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1), 1)
+        self.sampler(logits, [dummy] * logits.shape[0])
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         del scratch, hidden, logits
@@ -187,7 +188,7 @@ class ModelRunner:
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_token_idx]).float()
             seqs = [scheduled[r][0] for r in batch.sample_rows]
-            out = self.sampler(logits, [s.params for s in seqs], [len(s.token_ids) for s in seqs])
+            out = self.sampler(logits, seqs)
             for i, seq in enumerate(seqs):
                 self.last_logits[seq.seq_id] = logits[i]
                 sampled.append(SampledToken(seq.seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))

@@ -101,6 +101,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.num_layers = cfg.num_hidden_layers
         attn_bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = attn_bias if qkv_bias is None else qkv_bias
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))

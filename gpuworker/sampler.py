@@ -10,7 +10,9 @@ the worker's own generator each step.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -53,6 +55,14 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ((h >> 8).float() + 0.5) / float(1 << 24)
 
 
+class SampleRow(Protocol):
+    """What the sampler needs of a sequence (the runner's SeqState has it)."""
+
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output so far; the sampled token goes at index len(token_ids)
+    num_prompt_tokens: int
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -61,46 +71,109 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    """Per step: logits processors (min_tokens, logit_bias, penalties), then
+    greedy rows take the argmax and the others temperature, min-p, top-k,
+    top-p and a seeded Gumbel-max draw. Logprobs are those of the raw model
+    logits (as vLLM returns them)."""
+
+    def __init__(self, seed: int, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = eos_token_ids
 
     def _key(self, params: SamplingParams, position: int) -> int:
         if params.seed is not None:
             return row_key(params.seed, position)
         return int(torch.randint(0, 1 << 32, (1,), generator=self.generator).item())
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> SamplerOutput:
-        """``logits`` [rows, vocab] (any float dtype); ``positions[i]`` is the index
-        in its sequence of the token row i samples (= current length)."""
-        logits = logits.float()
-        raw = logits
-        rows, vocab = logits.shape
-        device = logits.device
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
+        """``logits`` [len(rows), vocab], any float dtype."""
+        raw = logits.float()
+        params = [r.params for r in rows]
+        device = raw.device
+        logits = apply_penalties(self.process(raw, rows), rows)
         greedy = torch.tensor([p.greedy for p in params], device=device)
         out = logits.argmax(dim=-1)
         if not bool(greedy.all()):
-            temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+            temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
             scaled = _apply_top_k_top_p_min_p(logits / temps[:, None], params)
-            keys = torch.tensor([self._key(p, pos) for p, pos in zip(params, positions)], dtype=torch.int64)
-            u = uniform_noise(keys.to(device), vocab)
-            gumbel = -torch.log(-torch.log(u))
-            sampled = (scaled + gumbel).argmax(dim=-1)
+            keys = torch.tensor([self._key(r.params, len(r.token_ids)) for r in rows], dtype=torch.int64)
+            u = uniform_noise(keys.to(device), raw.shape[1])
+            sampled = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
             out = torch.where(greedy, out, sampled)
-        token_ids = out.tolist()
-        logprobs: list[float | None] = [None] * rows
-        tops: list[list[tuple[int, float]]] = [[] for _ in range(rows)]
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            lp = torch.log_softmax(raw[want], dim=-1)
-            chosen = lp.gather(1, out[want].unsqueeze(1)).squeeze(1).tolist()
-            k = max(params[i].logprobs or 0 for i in want)
-            top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (None, None)
-            for j, i in enumerate(want):
-                logprobs[i] = chosen[j]
-                n = params[i].logprobs or 0
-                if n and top_v is not None and top_i is not None:
-                    tops[i] = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
-        return SamplerOutput(token_ids, logprobs, tops)
+        return _logprobs(raw, out, params)
+
+    def process(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+        """min_tokens (no EOS / stop id before it) and logit_bias."""
+        masks: list[tuple[int, int]] = []
+        biases: list[tuple[int, int, float]] = []
+        vocab = logits.shape[1]
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.min_tokens and len(r.token_ids) - r.num_prompt_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                masks += [(i, t) for t in stops if 0 <= t < vocab]
+            biases += [(i, t, b) for t, b in p.logit_bias.items() if 0 <= t < vocab]
+        if not (masks or biases):
+            return logits
+        logits = logits.clone()
+        if biases:
+            r_idx, t_idx, vals = zip(*biases)
+            logits.index_put_((torch.tensor(r_idx), torch.tensor(t_idx)), torch.tensor(vals).to(logits), accumulate=True)
+        if masks:
+            r_idx, t_idx = zip(*masks)
+            logits[torch.tensor(r_idx), torch.tensor(t_idx)] = float("-inf")
+        return logits
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Repetition penalty over prompt and output tokens (divide positive logits,
+    multiply negative ones, as in HF / vLLM); presence and frequency penalties
+    over output tokens only (OpenAI semantics)."""
+    need = [
+        i for i, r in enumerate(rows)
+        if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+    ]
+    if not need:
+        return logits
+    device, vocab = logits.device, logits.shape[1]
+    sub = logits[need]
+    out_counts = torch.zeros(len(need), vocab, device=device)
+    seen = torch.zeros(len(need), vocab, dtype=torch.bool, device=device)
+    for j, i in enumerate(need):
+        r = rows[i]
+        prompt = torch.tensor(r.token_ids[: r.num_prompt_tokens], dtype=torch.long, device=device)
+        output = torch.tensor(r.token_ids[r.num_prompt_tokens:], dtype=torch.long, device=device)
+        out_counts[j].index_add_(0, output, torch.ones(len(output), device=device))
+        seen[j, prompt] = True
+    seen |= out_counts > 0
+    rep = torch.tensor([rows[i].params.repetition_penalty for i in need], device=device)[:, None]
+    pres = torch.tensor([rows[i].params.presence_penalty for i in need], device=device)[:, None]
+    freq = torch.tensor([rows[i].params.frequency_penalty for i in need], device=device)[:, None]
+    penalized = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalized, sub)
+    sub = sub - freq * out_counts - pres * (out_counts > 0).float()
+    logits = logits.clone()
+    logits[need] = sub
+    return logits
+
+
+def _logprobs(raw: torch.Tensor, out: torch.Tensor, params: list[SamplingParams]) -> SamplerOutput:
+    rows = raw.shape[0]
+    token_ids = out.tolist()
+    logprobs: list[float | None] = [None] * rows
+    tops: list[list[tuple[int, float]]] = [[] for _ in range(rows)]
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if want:
+        lp = torch.log_softmax(raw[want], dim=-1)
+        chosen = lp.gather(1, out[want].unsqueeze(1)).squeeze(1).tolist()
+        k = min(max(params[i].logprobs or 0 for i in want), raw.shape[1])
+        top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(want):
+            logprobs[i] = chosen[j]
+            n = params[i].logprobs or 0
+            tops[i] = list(zip(top_i[j][:n], top_v[j][:n]))
+    return SamplerOutput(token_ids, logprobs, tops)
 
 
 def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -220,11 +220,17 @@ def test_seeded_sampling_is_batch_and_preemption_independent(ckpt: tuple[str, to
     def run(alone: bool) -> list[int]:
         runner.reset()
         d = Driver(runner)
-        others = prompts(3, [5, 19, 8], seed=7)
         new = {0: (p, seeded)}
-        if not alone:
-            params = [SamplingParams(temperature=1.3), GREEDY, SamplingParams(temperature=0.5, top_k=5, seed=99)]
-            new |= {i + 1: (o, params[i]) for i, o in enumerate(others)}
+        if not alone:  # 15 neighbours with every kind of parameter, seeded or not
+            kinds = [
+                SamplingParams(temperature=1.3), GREEDY, SamplingParams(temperature=0.5, top_k=5, seed=99),
+                SamplingParams(temperature=1.0, min_p=0.1), SamplingParams(temperature=0.7, top_p=0.5, seed=1234),
+                SamplingParams(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.3),
+                SamplingParams(temperature=0.0, logit_bias={7: 5.0}, logprobs=3),
+                SamplingParams(temperature=2.0, min_tokens=4, seed=5),
+            ]
+            others = prompts(15, [5, 19, 8, 3, 12, 7, 1, 22, 9, 4, 16, 6, 2, 10, 13], seed=7)
+            new |= {i + 1: (o, kinds[i % len(kinds)]) for i, o in enumerate(others)}
         d.step({s: len(t) for s, (t, _) in new.items()}, new=new)
         for _ in range(7):
             d.step({s: 1 for s in new})
