@@ -1,5 +1,4 @@
-"""Llama-family forward (Llama, Qwen2, Mistral) over a flat token batch, and
-the registry that maps a checkpoint's architecture to its model class.
+"""Llama-family forward (Llama, Qwen2, Mistral) over a flat token batch.
 
 Q/K/V and gate/up are fused into one matmul each; the split checkpoint
 tensors are copied into their slice of the fused weight at load time.
@@ -13,7 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.gpuworker.layers import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
+from pagedserve.gpuworker.layers import (
+    AttentionMetadata,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    check_loaded,
+    copy_weight,
+    silu_and_mul,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -149,29 +156,13 @@ class LlamaForCausalLM(nn.Module):
                 if f".{src}." in name:
                     target = name.replace(f".{src}.", f".{fused}.")
                     start, size = self._fused_slice(fused, shard)
-                    _copy(params, target, tensor, start, size)
+                    copy_weight(params, target, tensor, start, size)
                     loaded.add(f"{target}#{shard}")
                     break
             else:
-                _copy(params, name, tensor, None, None)
+                copy_weight(params, name, tensor, None, None)
                 loaded.add(name)
-        expected = set()
-        for pname in params:
-            fused = next((f for f, _, _ in self.stacked if f".{f}." in pname), None)
-            shards = 3 if fused == "qkv_proj" else 2 if fused else 0
-            expected |= {f"{pname}#{i}" for i in range(shards)} if shards else {pname}
-        missing = expected - loaded
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
-
-
-def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, start: int | None, size: int | None) -> None:
-    if name not in params:
-        raise ValueError(f"unexpected checkpoint tensor {name!r}")
-    dst = params[name].data if start is None else params[name].data.narrow(0, start, size)  # type: ignore[arg-type]
-    if dst.shape != tensor.shape:
-        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}")
-    dst.copy_(tensor)
+        check_loaded(params, loaded, {f: (3 if f == "qkv_proj" else 2) for f, _, _ in self.stacked})
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -179,35 +170,3 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError("Qwen2 with use_sliding_window=true is not supported")
         super().__init__(cfg, qkv_bias=True)
-
-
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-}
-
-
-def model_class(hf_config: Any) -> type[nn.Module]:
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    for arch in archs:
-        if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
-    raise ValueError(
-        f"unsupported architecture {archs or getattr(hf_config, 'model_type', '?')}; "
-        f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
-    )
-
-
-def build_model(
-    hf_config: Any, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device, max_position: int
-) -> nn.Module:
-    """Construct on the meta device (no random init), materialize empty on
-    ``device`` in ``dtype``, then fill from the checkpoint."""
-    cls = model_class(hf_config)
-    with torch.device("meta"):
-        model = cls(hf_config)
-    model = model.to_empty(device=device).to(dtype)
-    model.load_weights(weights)  # type: ignore[operator]
-    model.init_buffers(max_position, device)  # type: ignore[operator]
-    return model.eval().requires_grad_(False)

@@ -42,7 +42,31 @@ ARCHS: dict[str, dict[str, Any]] = {
         num_hidden_layers=2, vocab_size=509, max_position_embeddings=512, rms_norm_eps=1e-6,
         tie_word_embeddings=True, rope_theta=1000000.0,
     ),
+    # The paper's model: learned positions, LayerNorm, ReLU; word_embed_proj_dim != hidden exercises project_in/out.
+    "opt": dict(
+        hidden_size=48, num_attention_heads=6, ffn_dim=91, num_hidden_layers=2, vocab_size=509,
+        max_position_embeddings=512, word_embed_proj_dim=40, do_layer_norm_before=True,
+    ),
+    "gpt2": dict(n_embd=48, n_head=4, n_layer=2, n_inner=77, n_positions=512, vocab_size=509),
+    # sliding window 64: the worker caps max_model_len there
+    "mistral": dict(
+        hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=71,
+        num_hidden_layers=2, vocab_size=509, max_position_embeddings=512, sliding_window=64,
+        tie_word_embeddings=False,
+    ),
 }
+
+
+def _classes(arch: str) -> tuple[Any, Any]:
+    import transformers as tf
+
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "opt": (tf.OPTConfig, tf.OPTForCausalLM),
+        "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[arch]
 
 
 def train_tokenizer(vocab_size: int) -> Any:
@@ -64,9 +88,10 @@ def train_tokenizer(vocab_size: int) -> Any:
 
 
 def make_tiny_model(tmp_dir: str | os.PathLike[str], arch: str = "llama", seed: int = 0, **overrides: Any) -> str:
-    """Write a seeded random ``arch`` ("llama" | "qwen2") checkpoint under
+    """Write a seeded random ``arch`` (a key of ``ARCHS``: "llama", "qwen2",
+    "opt", "gpt2", "mistral") checkpoint under
     ``tmp_dir`` and return its folder (reused if already written)."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
@@ -78,7 +103,7 @@ def make_tiny_model(tmp_dir: str | os.PathLike[str], arch: str = "llama", seed: 
     tokenizer = train_tokenizer(min(shape["vocab_size"], 500))
     assert len(tokenizer) <= shape["vocab_size"]
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    config_cls, model_cls = _classes(arch)
     # A wide init keeps logits well separated, so greedy argmax is robust to rounding.
     config = config_cls(
         **shape, initializer_range=0.15, bos_token_id=tokenizer.bos_token_id, eos_token_id=eos_id,

@@ -1,0 +1,55 @@
+"""OPT, GPT-2 and Mistral through the worker's paged forward, against
+transformers on the same seeded tiny checkpoints."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from models import make_tiny_model
+from test_worker import GREEDY, Driver, assert_logits_close, hf_logits, make_runner, prompts
+from transformers import AutoModelForCausalLM
+
+from pagedserve.common.config import EngineConfig
+from pagedserve.gpuworker.model_runner import ModelRunner
+
+FAMILIES = {
+    "opt": {},
+    "opt-post-ln": {"do_layer_norm_before": False},  # opt-350m style
+    "gpt2": {},
+    "mistral": {},
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_prefill_chunk_and_decode_match_transformers(family: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    arch = family.split("-")[0]
+    folder = make_tiny_model(tmp_path_factory.mktemp(family), arch, seed=1, **FAMILIES[family])
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    runner = make_runner(folder)
+    d = Driver(runner)
+    ps = prompts(3, [7, 20, 13], seed=11)
+    d.step({0: 7, 1: 12}, new={0: (ps[0], GREEDY), 1: (ps[1], GREEDY)})  # seq 1: first chunk only
+    assert_logits_close(runner.last_logits[0], hf_logits(hf, ps[0])[-1])
+    d.step({0: 1, 1: 8, 2: 13}, new={2: (ps[2], GREEDY)})
+    for _ in range(4):
+        d.step({i: 1 for i in range(3)})
+        for i in range(3):
+            assert_logits_close(runner.last_logits[i], hf_logits(hf, d.tokens[i][:-1])[-1])
+    for i in range(3):
+        n_new = len(d.tokens[i]) - len(ps[i])
+        out = hf.generate(torch.tensor([ps[i]]), max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert d.tokens[i] == out[0].tolist()
+
+
+def test_mistral_context_is_capped_at_the_sliding_window(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path, "mistral", seed=1)
+    assert make_runner(folder).init().model.max_model_len == 64
+    with pytest.raises(ValueError, match="sliding window 64"):
+        ModelRunner(EngineConfig(model=folder, max_model_len=128, num_gpu_blocks=8)).init()
+
+
+def test_unsupported_activation_is_refused(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path, "llama", seed=1, hidden_act="gelu")
+    with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'"):
+        ModelRunner(EngineConfig(model=folder, num_gpu_blocks=8)).init()
