@@ -35,10 +35,9 @@ _ERROR_CODES = {"KV": grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: EngineClient, tokenizer: Any, model_name: str, max_prompt_chars: int) -> None:
+    def __init__(self, engine: EngineClient, tokenizer: Any, max_prompt_chars: int) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.model_name = model_name
         self.max_prompt_chars = max_prompt_chars
 
     @property
@@ -108,7 +107,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         await self._require_ready(context)
         m = self.info.model
-        return pb.ModelInfo(model_name=self.model_name, max_model_len=m.max_model_len,
+        return pb.ModelInfo(model_name=m.model_name, max_model_len=m.max_model_len,
                             block_size=self.info.block_size, vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids)
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,
@@ -139,12 +138,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.AbortResponse(num_aborted=await self.engine.abort(list(request.request_ids)))
 
 
-async def serve(engine: EngineClient, tokenizer: Any, model_name: str, host: str, port: int,
+async def serve(engine: EngineClient, tokenizer: Any, host: str, port: int,
                 max_prompt_chars: int, health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine, tokenizer, model_name, max_prompt_chars), server)
+        GenerationServicer(engine, tokenizer, max_prompt_chars), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     if server.add_insecure_port(f"{host}:{port}") == 0:

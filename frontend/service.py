@@ -24,12 +24,11 @@ async def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     model_dir = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model_name = cfg.model or "SmolLM2-135M-Instruct"
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_status(False))
     engine = EngineClient(addresses_from_args(args))
-    server = await serve(engine, tokenizer, os.path.basename(model_name.rstrip("/")), args.host, args.port,
+    server = await serve(engine, tokenizer, args.host, args.port,
                          cfg.max_prompt_chars, health_servicer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

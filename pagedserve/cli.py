@@ -43,3 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
         return 2
     return int(importlib.import_module(_COMPONENTS[cmd]).main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

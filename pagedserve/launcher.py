@@ -56,10 +56,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--start-timeout", type=float, default=1800.0)
     args = p.parse_args(argv)
     cfg = config_from_args(args)
-    model_dir = resolve_model(cfg.model)  # converts the embedded model once, with progress
+    resolve_model(cfg.model)  # converts the embedded model once, with progress
     run_dir = tempfile.mkdtemp(prefix="pagedserve-")
     addrs = default_addresses(run_dir)
-    common = [*engine_argv(cfg), "--model", model_dir, "--scheduler-in", addrs.scheduler_in,
+    # engine_argv carries --model only when one was given: with none, every
+    # component resolves the embedded model from the cache converted above.
+    common = [*engine_argv(cfg), "--scheduler-in", addrs.scheduler_in,
               "--scheduler-out", addrs.scheduler_out, "--blockmgr-addr", addrs.blockmgr,
               "--worker-addr", addrs.worker]
     env = dict(os.environ, PYTHONUNBUFFERED="1")

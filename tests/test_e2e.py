@@ -179,3 +179,23 @@ def test_seeded_sampling_is_reproducible(llama_server: Server) -> None:
         d, _, _ = c.generate("Hello", max_tokens=10, temperature=1.0, seed=999, ignore_eos=True)
     assert a == b and len(a) == 10
     assert a != d
+
+
+def test_default_smollm2_greedy_over_grpc_equals_transformers() -> None:
+    """`pagedserve serve` with no --model serves the embedded SmolLM2-135M-Instruct."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.common.default_model import resolve_model
+
+    folder = resolve_model(None)
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    expected = hf_greedy(folder, list(prompt), 8)
+    with serve("--num-gpu-blocks", "64") as server, server.client() as c:
+        assert c.model_info().model_name == "SmolLM2-135M-Instruct"
+        ids, text, _ = c.generate(list(prompt), max_tokens=8, temperature=0.0)
+        plain_ids, _, _ = c.generate("The capital of France is", max_tokens=6, temperature=0.0)
+    assert ids == expected
+    assert "Paris" in text
+    assert plain_ids == hf_greedy(folder, tokenize(folder, "The capital of France is"), 6)
