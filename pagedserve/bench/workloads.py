@@ -103,3 +103,17 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 def synthetic_prompt(length: int, seed: int, vocab_size: int = 32000) -> list[int]:
     """Token ids for a prompt of ``length`` (distinct seeds: distinct prompts)."""
     return np.random.default_rng(seed).integers(0, vocab_size, length).tolist()
+
+
+def machine_info() -> str:
+    """One line naming the machine a benchmark ran on."""
+    import os
+    import platform
+
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{os.cpu_count()}-core {cpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}"
