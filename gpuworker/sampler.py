@@ -91,15 +91,16 @@ class Sampler:
         params = [r.params for r in rows]
         device = raw.device
         logits = apply_penalties(self.process(raw, rows), rows)
-        greedy = torch.tensor([p.greedy for p in params], device=device)
         out = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
-            scaled = _apply_top_k_top_p_min_p(logits / temps[:, None], params)
-            keys = torch.tensor([self._key(r.params, len(r.token_ids)) for r in rows], dtype=torch.int64)
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        if rand:  # noise only for the rows that sample
+            sub = logits[rand] if len(rand) < len(params) else logits
+            temps = torch.tensor([params[i].temperature for i in rand], device=device)
+            scaled = _apply_top_k_top_p_min_p(sub / temps[:, None], [params[i] for i in rand])
+            keys = torch.tensor([self._key(rows[i].params, len(rows[i].token_ids)) for i in rand], dtype=torch.int64)
             u = uniform_noise(keys.to(device), raw.shape[1])
             sampled = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
-            out = torch.where(greedy, out, sampled)
+            out[torch.tensor(rand, device=device)] = sampled
         return _logprobs(raw, out, params)
 
     def process(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
@@ -116,12 +117,14 @@ class Sampler:
         if not (masks or biases):
             return logits
         logits = logits.clone()
+        dev = logits.device
         if biases:
             r_idx, t_idx, vals = zip(*biases)
-            logits.index_put_((torch.tensor(r_idx), torch.tensor(t_idx)), torch.tensor(vals).to(logits), accumulate=True)
+            index = (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev))
+            logits.index_put_(index, torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
         if masks:
             r_idx, t_idx = zip(*masks)
-            logits[torch.tensor(r_idx), torch.tensor(t_idx)] = float("-inf")
+            logits[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = float("-inf")
         return logits
 
 
