@@ -78,9 +78,9 @@ def sample_lengths(name: str, n: int, seed: int = 0) -> list[RequestLen]:
         raise ValueError(f"unknown workload {name!r}; choose from {sorted(SPECS)}")
     spec = SPECS[name]
     mu_in, mu_out = _calibrated(name)
-    rng = np.random.default_rng(seed)
-    p = _clipped(rng.standard_normal(n), mu_in, spec.sigma_in, MAX_PROMPT_LEN)
-    o = _clipped(rng.standard_normal(n), mu_out, spec.sigma_out, MAX_MODEL_LEN - p)
+    z = np.random.default_rng(seed).standard_normal((n, 2))  # row i is request i: prefixes agree
+    p = _clipped(z[:, 0], mu_in, spec.sigma_in, MAX_PROMPT_LEN)
+    o = _clipped(z[:, 1], mu_out, spec.sigma_out, MAX_MODEL_LEN - p)
     return [RequestLen(int(a), int(b)) for a, b in zip(p, o)]
 
 
