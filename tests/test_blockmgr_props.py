@@ -210,6 +210,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
             ops.append(SwapIn(self.cpu_seqs()[:1]))
         self.run(ops, writes)
 
+    @precondition(lambda self: len(self.gpu_seqs()) >= 2)
+    @rule(pick=st.integers(0, 1000), base=st.integers(0, 2), n=st.integers(1, 40),
+          toks=st.lists(st.integers(0, 10), min_size=1, max_size=5))
+    def preempt_step(self, pick: int, base: int, n: int, toks: list[int]) -> None:
+        """Swap out one sequence, let the others grow and admit a new one in
+        the same step: freed blocks are reused within the step."""
+        seqs = self.gpu_seqs()
+        victim = seqs[pick % len(seqs)]
+        ops: list = [SwapOut([victim])]
+        writes: dict[int, tuple[str, list[int]]] = {}
+        for seq in seqs:
+            if seq != victim:
+                ops.append(Append(seq, toks))
+                writes[seq] = ("append", toks)
+        seq = self.next_id
+        self.next_id += 1
+        prompt = BASES[base][:n]
+        ops.append(Allocate(seq, prompt, len(prompt)))
+        writes[seq] = ("alloc", prompt)
+        self.tables[seq] = []
+        self.run(ops, writes)
+
     # ---- invariants ---------------------------------------------------------
 
     @invariant()
