@@ -58,7 +58,11 @@ class BlockManagerError(ValueError):
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     """Key of a full block: chained over the parent block's key."""
-    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+    try:
+        data = b"q" + array("q", token_ids).tobytes()
+    except OverflowError:  # ids beyond int64 still hash, they just take the slow path
+        data = b"r" + repr(token_ids).encode()
+    return hashlib.sha256(parent + data).digest()
 
 
 def _root_key(cache_salt: str | None) -> bytes:

@@ -257,6 +257,13 @@ def test_protocol_errors_raise() -> None:
         m.step(StepRequest([Append(1, [1])]))
 
 
+def test_huge_token_ids_hash_without_error() -> None:
+    m = mk()
+    big = [2**64 - 1] * 4 + [1]
+    step(m, Allocate(1, big, 5))
+    assert step(m, Allocate(2, big, 5)).results == [res(2, 0, [1, 3], 4, 1)]
+
+
 def test_check_integrity_detects_corruption() -> None:
     m = mk()
     step(m, Allocate(1, A, 12))
