@@ -62,6 +62,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"  # recompute | swap | auto
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    worker: str = "model"  # model | sim (SIMULATED: no model, cost-model step times)
     seed: int = 0
     # frontend bounds
     max_prompt_chars: int = 1_000_000
@@ -76,6 +77,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
+        if self.worker not in ("model", "sim"):
+            raise ValueError(f"worker must be model or sim, got {self.worker!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
@@ -106,6 +109,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap", "auto"])
     p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--worker", default=d.worker, choices=["model", "sim"],
+                   help="sim: a SIMULATED worker (no model; step times from a cost model)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

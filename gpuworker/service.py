@@ -19,9 +19,10 @@ from pagedserve.common.config import add_address_args, add_engine_args, config_f
 from pagedserve.common.ipc import RepServer
 from pagedserve.common.messages import worker as wk
 from pagedserve.gpuworker.model_runner import ModelRunner
+from pagedserve.gpuworker.sim_worker import SimWorker
 
 
-def handle(runner: ModelRunner, msg: wk.Request) -> wk.Reply:
+def handle(runner: "ModelRunner | SimWorker", msg: wk.Request) -> wk.Reply:
     try:
         if isinstance(msg, wk.ExecuteStep):
             return runner.execute(msg)
@@ -60,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_args(args)
     _limit_cpu_threads(cfg.device)
 
-    runner = ModelRunner(cfg)
+    if cfg.worker == "sim":
+        runner: ModelRunner | SimWorker = SimWorker.from_config(cfg)
+    else:
+        runner = ModelRunner(cfg)
     try:
         runner.init()  # a signal during loading just ends the process: no socket exists yet
     except Exception as e:  # noqa: BLE001

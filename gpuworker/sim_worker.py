@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.common.config import EngineConfig
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.types import ModelInfo
 
@@ -56,6 +57,15 @@ class SimWorker:
         self.cpu = [[_EMPTY] * block_size for _ in range(num_cpu_blocks)]
         self.seqs: dict[int, _SeqState] = {}
         self.tokens_computed = 0
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> "SimWorker":
+        """The process form (``pagedserve gpuworker --worker sim``). Without
+        --num-gpu-blocks it takes the paper's OPT-13B budget on one A100-40GB:
+        15.7K token slots."""
+        num_blocks = cfg.num_gpu_blocks or 15_700 // cfg.block_size + 1
+        return cls(num_blocks, cfg.block_size, vocab_size=50_272, max_model_len=cfg.max_model_len or 2048,
+                   validate=False)
 
     def init(self) -> wk.WorkerReady:
         info = ModelInfo("simulated", self.vocab_size, self.max_model_len, self.eos_token_ids, 1, 1, 1,

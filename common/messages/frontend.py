@@ -42,6 +42,15 @@ class TokenDelta(msgspec.Struct, array_like=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int = 0
     error: str | None = None
+    # One entry per token in token_ids when params.logprobs is set:
+    # (logprob of the token, top-k (token, logprob)).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+    # Sent once, with the first delta, when params.prompt_logprobs is set
+    # (the first prompt token has no logprob and is left out).
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+    # Beam search sends each final beam whole: token_ids then replace, not extend.
+    replace: bool = False
+    cumulative_logprob: float | None = None
 
 
 class Outputs(msgspec.Struct, tag=60, array_like=True):

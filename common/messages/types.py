@@ -23,6 +23,11 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     logit_bias: dict[int, float] = {}
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Beam search (beam_width > 1) runs inside the engine; n is then the
+    # number of finished beams returned.
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     @property
     def greedy(self) -> bool:

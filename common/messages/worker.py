@@ -77,10 +77,20 @@ class SampledToken(msgspec.Struct, array_like=True):
     top_logprobs: list[tuple[int, float]] = []
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of prompt positions computed this step (params.prompt_logprobs)."""
+
+    seq_id: int
+    start: int  # position of the first entry's token in the sequence
+    # per position: (logprob of the actual token, top-k (token, logprob))
+    entries: list[tuple[float, list[tuple[int, float]]]]
+
+
 class StepResult(msgspec.Struct, tag=40, array_like=True):
     step_id: int
     sampled: list[SampledToken]  # one per scheduled sequence that reached its end
     forward_time_s: float = 0.0
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class WorkerReady(msgspec.Struct, tag=41, array_like=True):
