@@ -63,6 +63,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # recompute | swap | auto
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     worker: str = "model"  # model | sim (SIMULATED: no model, cost-model step times)
+    tensor_parallel_size: int = 1
     seed: int = 0
     # frontend bounds
     max_prompt_chars: int = 1_000_000
@@ -77,6 +78,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be recompute, swap or auto, got {self.preemption_mode!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
         if self.worker not in ("model", "sim"):
             raise ValueError(f"worker must be model or sim, got {self.worker!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -109,6 +112,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap", "auto"])
     p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
     p.add_argument("--worker", default=d.worker, choices=["model", "sim"],
                    help="sim: a SIMULATED worker (no model; step times from a cost model)")
 
