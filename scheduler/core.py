@@ -19,9 +19,13 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.frontend import AddRequest, TokenDelta
+from pagedserve.common.messages.types import SamplingParams
+from pagedserve.scheduler.beam import BeamSearch, Hypothesis
 from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
 
 
@@ -43,6 +47,7 @@ class _StepPlan:
 
     await_append: dict[int, tuple[Sequence, int]] = field(default_factory=dict)
     await_swap_out: dict[int, SequenceGroup] = field(default_factory=dict)
+    await_fork: dict[int, Sequence] = field(default_factory=dict)
     await_alloc: dict[int, Sequence] = field(default_factory=dict)
     admitted: list[SequenceGroup] = field(default_factory=list)
     scheduled: dict[int, tuple[Sequence, int]] = field(default_factory=dict)  # insertion = batch order
@@ -65,6 +70,7 @@ class Scheduler:
         self._seq_ids = itertools.count(1)
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
+        self._pending_forks: list[bm.Fork] = []  # beam search: new beams, before their parents' frees
         self._pending_frees: list[int] = []  # seq ids to free in the blockmgr next round
         self._pending_drops: list[int] = []  # seq ids whose worker state to drop next step
         self._deltas: list[TokenDelta] = []  # produced outside a worker step (errors, aborts)
@@ -79,11 +85,18 @@ class Scheduler:
             self._deltas.append(TokenDelta(req.request_id, 0, [], FinishReason.ERROR.value,
                                            len(req.prompt_token_ids), f"duplicate request_id {req.request_id!r}"))
             return
-        n = max(1, req.params.n)
-        seqs = [Sequence(next(self._seq_ids), i, list(req.prompt_token_ids), len(req.prompt_token_ids))
-                for i in range(n)]
-        group = SequenceGroup(req.request_id, seqs, req.params, req.arrival_time, next(self._arrivals),
-                              req.cache_salt)
+        p = req.params
+        prompt = list(req.prompt_token_ids)
+        # n > 1: one sequence prefills the prompt, the others fork from it later
+        # (a one-token prompt has nothing to share). Beam search starts from one beam.
+        fork_later = p.beam_width <= 1 and p.n > 1 and len(prompt) > 1
+        width = 1 if fork_later or p.beam_width > 1 else max(1, p.n)
+        seqs = [Sequence(next(self._seq_ids), i, list(prompt), len(prompt)) for i in range(width)]
+        group = SequenceGroup(req.request_id, seqs, p, req.arrival_time, next(self._arrivals),
+                              req.cache_salt, forked=not fork_later)
+        if p.beam_width > 1:
+            group.beam = BeamSearch(p.beam_width, len(prompt), min(len(prompt) + p.max_tokens, self.cfg.max_model_len),
+                                    self.cfg.eos_token_ids, p.length_penalty, p.early_stopping)
         blocks_needed = -(-(len(req.prompt_token_ids) + 1) // self.cfg.block_size)
         if blocks_needed > self.cfg.num_gpu_blocks:
             self._finish_group(group, FinishReason.ERROR,
@@ -109,29 +122,64 @@ class Scheduler:
             self._finish_group(group, FinishReason.ABORT)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._pending_frees or self._pending_drops)
+        return bool(self.waiting or self.running or self.swapped or self._pending_frees or self._pending_drops
+                    or self._pending_forks)
 
     def take_deltas(self) -> list[TokenDelta]:
         out, self._deltas = self._deltas, []
         return out
 
     # ------------------------------------------------------------ planning
+    def _todo(self, group: SequenceGroup, seq: Sequence) -> int:
+        """Tokens the sequence still has to compute before it can sample."""
+        end = len(seq.token_ids) - (1 if group.needs_fork else 0)
+        return end - seq.num_computed_tokens
+
+    def _width(self, group: SequenceGroup) -> int:
+        if group.needs_fork:
+            return group.params.n
+        return max(len(group.live_seqs), group.params.beam_width if group.beam else 1)
+
+    def _fork_children(self, group: SequenceGroup) -> list[bm.Op]:
+        """The first sequence has prefilled all but the prompt's last token:
+        the other n-1 fork from it, and each computes that token (copy-on-write
+        gives each its own copy of a shared, partly filled last block)."""
+        parent = group.seqs[0]
+        ops: list[bm.Op] = []
+        for i in range(1, group.params.n):
+            child = Sequence(next(self._seq_ids), i, list(parent.token_ids), parent.num_prompt_tokens,
+                             parent.num_computed_tokens, status=SeqStatus.RUNNING)
+            group.seqs.append(child)
+            self._seq_group[child.seq_id] = group
+            ops.append(bm.Fork(parent.seq_id, child.seq_id))
+            self._plan.await_fork[child.seq_id] = child  # type: ignore[union-attr]
+        group.forked = True
+        return ops
+
     def schedule(self) -> bm.StepRequest | None:
         """Plan a step; returns the blockmgr request, or None if idle."""
         assert self._plan is None, "previous step not finished"
         plan = self._plan = _StepPlan()
-        ops: list[bm.Op] = [bm.Free(s) for s in self._pending_frees]
+        # Forks first: a new beam's parent may be freed by this same request.
+        ops: list[bm.Op] = list(self._pending_forks)
+        for f in self._pending_forks:
+            plan.await_fork[f.child_seq_id] = self._seq_by_id(f.child_seq_id)
+        self._pending_forks = []
+        ops += [bm.Free(s) for s in self._pending_frees]
         self._pending_frees = []
+        for group in self.running:
+            if group.needs_fork and self._todo(group, group.seqs[0]) == 0:
+                ops += self._fork_children(group)
         budget = self.cfg.max_num_batched_tokens
         for group in self.running:
             for seq in group.live_seqs:
-                k = min(seq.num_uncomputed, budget)
+                k = min(self._todo(group, seq), budget)
                 if k <= 0:
                     continue
                 budget -= k
                 ops.append(self._append_op(seq, k))
                 plan.await_append[seq.seq_id] = (seq, k)
-        num_seqs = sum(len(g.live_seqs) for g in self.running)
+        num_seqs = sum(self._width(g) for g in self.running)
         # Swapped groups resume before new admissions.
         for group in self.swapped:
             live = group.live_seqs
@@ -144,20 +192,24 @@ class Scheduler:
             plan.admitted.append(group)
         if not self.swapped:
             for group in self.waiting:
-                live = group.live_seqs
-                if budget <= 0 or num_seqs + len(live) > self.cfg.max_num_seqs:
+                width = self._width(group)
+                if budget <= 0 or num_seqs + width > self.cfg.max_num_seqs:
                     break
-                for seq in live:
-                    k = min(len(seq.token_ids), budget)
+                for seq in group.live_seqs:
+                    tokens = seq.token_ids[:-1] if group.needs_fork else seq.token_ids
+                    k = min(len(tokens), budget)
                     budget -= k
-                    ops.append(bm.Allocate(seq.seq_id, list(seq.token_ids), k, group.cache_salt))
+                    ops.append(bm.Allocate(seq.seq_id, list(tokens), k, group.cache_salt))
                     plan.await_alloc[seq.seq_id] = seq
-                num_seqs += len(live)
+                num_seqs += width
                 plan.admitted.append(group)
         if not ops and not self._pending_drops:
             self._plan = None
             return None
         return bm.StepRequest(ops)
+
+    def _seq_by_id(self, seq_id: int) -> Sequence:
+        return next(s for s in self._seq_group[seq_id].seqs if s.seq_id == seq_id)
 
     def on_block_reply(self, reply: bm.StepReply) -> bm.StepRequest | wk.ExecuteStep | None:
         plan = self._plan
@@ -170,7 +222,11 @@ class Scheduler:
         refused: set[str] = set()
         swap_refused: list[SequenceGroup] = []
         for res in reply.results:
-            if (entry := plan.await_append.pop(res.seq_id, None)) is not None:
+            if (child := plan.await_fork.pop(res.seq_id, None)) is not None:
+                # A fork result comes before the child's own append result.
+                self._apply_table(plan, child, res)
+                plan.new_seqs.append(child)
+            elif (entry := plan.await_append.pop(res.seq_id, None)) is not None:
                 seq = entry[0]
                 if res.status is bm.Status.OK:
                     self._apply_table(plan, seq, res)
@@ -337,7 +393,8 @@ class Scheduler:
         for seq in plan.new_seqs:
             group = self._seq_group[seq.seq_id]
             new_seqs.append(wk.NewSeq(seq.seq_id, list(seq.token_ids), list(seq.block_table),
-                                      seq.num_computed_tokens, group.params, seq.num_prompt_tokens))
+                                      seq.num_computed_tokens, self._worker_params(group, seq),
+                                      seq.num_prompt_tokens))
             seq.known_to_worker = True
         scheduled = [wk.ScheduledSeq(s.seq_id, k) for s, k in plan.scheduled.values() if k > 0]
         drops, self._pending_drops = self._pending_drops, []
@@ -348,6 +405,19 @@ class Scheduler:
         return wk.ExecuteStep(next(self._step_ids), new_seqs, plan.block_diffs, scheduled, drops,
                               plan.copies, plan.swap_in, plan.swap_out)
 
+    @staticmethod
+    def _worker_params(group: SequenceGroup, seq: Sequence) -> SamplingParams:
+        p = group.params
+        if group.beam is not None:
+            # Each beam reports its best continuations; the scheduler chooses.
+            return msgspec.structs.replace(p, temperature=0.0, seed=None, n=1, beam_width=1,
+                                           logprobs=group.beam.candidates_per_beam)
+        if p.n > 1:
+            # Each sample has its own seed stream: the same outputs as n separate
+            # requests seeded seed, seed+1, ... (sharing must not change results).
+            return msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + seq.index)
+        return p
+
     # ------------------------------------------------------------ results
     def on_step_result(self, result: wk.StepResult) -> list[TokenDelta]:
         plan = self._plan
@@ -355,23 +425,72 @@ class Scheduler:
         self._plan = None
         for seq, k in plan.scheduled.values():
             seq.num_computed_tokens += k
+        for pl in result.prompt_logprobs:
+            if (group := self._seq_group.get(pl.seq_id)) is not None:
+                group.prompt_logprobs += pl.entries
+        beam_groups: list[SequenceGroup] = []
         for st in result.sampled:
             group = self._seq_group.get(st.seq_id)
             if group is None:
                 continue
-            seq = next(s for s in group.seqs if s.seq_id == st.seq_id)
+            seq = self._seq_by_id(st.seq_id)
             if seq.is_finished:
+                continue
+            if group.beam is not None:
+                group.beam_tops[seq.seq_id] = st.top_logprobs
+                if group not in beam_groups:
+                    beam_groups.append(group)
                 continue
             seq.token_ids.append(st.token_id)
             reason = self._stop_reason(group, seq, st.token_id)
-            self._deltas.append(TokenDelta(group.request_id, seq.index, [st.token_id],
-                                           reason.value if reason else None, seq.num_prompt_tokens))
+            delta = TokenDelta(group.request_id, seq.index, [st.token_id], reason.value if reason else None,
+                               seq.num_prompt_tokens)
+            if group.params.logprobs is not None:
+                delta.logprobs = [(st.logprob if st.logprob is not None else 0.0, st.top_logprobs)]
+            if group.params.prompt_logprobs is not None and not group.prompt_logprobs_sent:
+                delta.prompt_logprobs, group.prompt_logprobs_sent = group.prompt_logprobs, True
+            self._deltas.append(delta)
             if reason is not None:
                 self._finish_seq(seq, reason)
                 if group.is_finished:
                     self.running.remove(group)
                     self._forget(group)
+        for group in beam_groups:
+            live = group.live_seqs
+            if all(s.seq_id in group.beam_tops for s in live):
+                self._beam_step(group, live)
         return self.take_deltas()
+
+    def _beam_step(self, group: SequenceGroup, live: list[Sequence]) -> None:
+        """Every live beam has reported: choose the next beams. Each new beam
+        forks its parent (sharing all its blocks); the old beams are freed."""
+        beam = group.beam
+        assert beam is not None
+        tops = [group.beam_tops[s.seq_id] for s in live]
+        group.beam_tops = {}
+        running = [Hypothesis(s.token_ids[s.num_prompt_tokens:], s.cum_logprob) for s in live]
+        choices = beam.step(running, tops)
+        children: list[Sequence] = []
+        for i, c in enumerate(choices):
+            parent = live[c.parent]
+            child = Sequence(next(self._seq_ids), i, parent.token_ids + [c.token_id], parent.num_prompt_tokens,
+                             len(parent.token_ids), status=SeqStatus.RUNNING, cum_logprob=c.cum_logprob)
+            self._seq_group[child.seq_id] = group
+            self._pending_forks.append(bm.Fork(parent.seq_id, child.seq_id))
+            children.append(child)
+        for s in live:
+            self._finish_seq(s, FinishReason.STOP)  # frees its blocks after the forks above
+            self._seq_group.pop(s.seq_id, None)
+        group.seqs = children
+        if beam.done:
+            for i, hyp in enumerate(beam.results(max(1, group.params.n))):
+                reason = FinishReason.STOP if hyp.token_ids and hyp.token_ids[-1] in self.cfg.eos_token_ids \
+                    else FinishReason.LENGTH
+                self._deltas.append(TokenDelta(group.request_id, i, hyp.token_ids, reason.value,
+                                               live[0].num_prompt_tokens, replace=True,
+                                               cumulative_logprob=hyp.score))
+            self.running.remove(group)
+            self._forget(group)
 
     def on_step_failed(self, message: str) -> list[TokenDelta]:
         """The worker failed the step: fail the requests it held, keep serving."""

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pagedserve.common.messages.types import SamplingParams
+from pagedserve.scheduler.beam import BeamSearch
 
 
 class SeqStatus(enum.Enum):
@@ -37,6 +38,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     known_to_worker: bool = False
+    cum_logprob: float = 0.0  # beam search: sum of the chosen tokens' logprobs
 
     @property
     def num_blocks(self) -> int:
@@ -65,6 +67,17 @@ class SequenceGroup:
     cache_salt: str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    # Parallel sampling: the prompt (minus its last token) is prefilled once by
+    # the first sequence, then the others fork from it and share its blocks.
+    forked: bool = True
+    beam: BeamSearch | None = None
+    beam_tops: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # this step's reports
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def needs_fork(self) -> bool:
+        return not self.forked
 
     @property
     def live_seqs(self) -> list[Sequence]:
