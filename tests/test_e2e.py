@@ -199,3 +199,30 @@ def test_default_smollm2_greedy_over_grpc_equals_transformers() -> None:
     assert ids == expected
     assert "Paris" in text
     assert plain_ids == hf_greedy(folder, tokenize(folder, "The capital of France is"), 6)
+
+
+def test_prefix_cache_hit_on_repeated_long_prompt(llama_server: Server, llama_dir: str) -> None:
+    prompt = " ".join(PROMPTS)  # several blocks long
+    with llama_server.client() as c:
+        before = c.server_info()
+        first, _, _ = c.generate(prompt, max_tokens=6, temperature=0.0)
+        mid = c.server_info()
+        second, _, _ = c.generate(prompt, max_tokens=6, temperature=0.0)
+        after = c.server_info()
+    n_blocks = len(tokenize(llama_dir, prompt)) // 16
+    assert n_blocks >= 3
+    assert mid.prefix_cache_hits == before.prefix_cache_hits, "first request: nothing cached yet"
+    assert after.prefix_cache_hits - mid.prefix_cache_hits >= n_blocks - 1, "second request reuses the prompt's blocks"
+    assert first == second == hf_greedy(llama_dir, tokenize(llama_dir, prompt), 6)
+
+
+def test_triton_attention_backend_end_to_end(tmp_path: Path) -> None:
+    """The worker forced onto the Triton kernels (the interpreter, on CPU)."""
+    model_dir = make_tiny_model(tmp_path, "llama", seed=2, num_hidden_layers=1)
+    jobs = [("The quick brown fox", 3), ("Hello", 4)]
+    with serve("--model", model_dir, "--num-gpu-blocks", "32", "--attention-backend", "triton",
+               env={"TRITON_INTERPRET": "1"}) as server:
+        assert any("attention=triton" in line for line in server.log), "the worker runs the Triton kernels"
+        got = run_concurrently(server, jobs)
+    for (prompt, n), tokens in zip(jobs, got):
+        assert tokens == hf_greedy(model_dir, tokenize(model_dir, prompt), n)
