@@ -117,3 +117,33 @@ def test_beam_search_matches_transformers(tiny_llama: str, k: int, length_penalt
     core.step()
     s = blocks.manager.stats()
     assert s.num_free_gpu_blocks == s.num_gpu_blocks and s.num_seqs == 0
+
+
+def test_parallel_sampling_real_model_equals_separate_seeded_requests(tiny_llama: str) -> None:
+    from transformers import AutoTokenizer
+
+    prompt = list(AutoTokenizer.from_pretrained(tiny_llama)("Once upon a time, a small model learned").input_ids)
+
+    def run(reqs: list[AddRequest]) -> tuple[dict[tuple[str, int], list[int]], int]:
+        blocks = _blocks()
+        cfg = EngineConfig(model=tiny_llama, block_size=8, num_gpu_blocks=128, max_num_batched_tokens=256,
+                           enable_prefix_caching=False)
+        core = EngineCore(cfg, blocks, InProcessWorkerClient(ModelRunner(cfg)))
+        for r in reqs:
+            core.handle(r)
+        deltas, peak = run_tracking_peak(core, blocks)
+        return outputs(deltas), peak
+
+    sp = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    group, group_peak = run([AddRequest("g", prompt, msgspec_replace(sp, n=4), 0.0)])
+    alone, alone_peak = run([AddRequest(f"r{i}", prompt, msgspec_replace(sp, seed=7 + i), float(i))
+                             for i in range(4)])
+    assert [group[("g", i)] for i in range(4)] == [alone[(f"r{i}", 0)] for i in range(4)]
+    assert len({tuple(v) for v in group.values()}) > 1
+    assert group_peak < alone_peak
+
+
+def msgspec_replace(p: SamplingParams, **kw: object) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(p, **kw)
