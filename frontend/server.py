@@ -1,28 +1,26 @@
 """The public gRPC API: pagedserve.v1.Generation, with standard health and
-reflection on the same port."""
+reflection on the same port, optional TLS and bearer-token auth."""
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
 from typing import Any, AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagedserve.common.messages import frontend as fe
-from pagedserve.frontend.detokenizer import IncrementalDetokenizer
-from pagedserve.frontend.engine_client import DuplicateRequestId, EngineClient
+from pagedserve.frontend.auth import ApiKeys, AuthInterceptor, metadata_value
+from pagedserve.frontend.engine_client import DuplicateRequestId
+from pagedserve.frontend.generation import EngineError, GenerationService, Rejected, RequestStream
+from pagedserve.frontend.outputs import Chunk, Logprob
 from pagedserve.frontend.validation import (
-    Limits,
-    UnimplementedError,
+    MAX_ABORT_IDS,
+    MAX_REQUEST_BYTES,
     ValidationError,
-    check_prompt_ids,
-    check_prompt_text,
     check_request_id,
-    sampling_params,
+    check_text,
+    check_token_ids,
 )
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -30,124 +28,166 @@ from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 log = logging.getLogger("pagedserve.frontend")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-_ERROR_CODES = {"KV": grpc.StatusCode.RESOURCE_EXHAUSTED}
+# gRPC's own hard limit sits above ours so an oversized request gets our
+# INVALID_ARGUMENT naming the bound; beyond this gRPC answers RESOURCE_EXHAUSTED.
+GRPC_MAX_MESSAGE_BYTES = 2 * MAX_REQUEST_BYTES
+MAX_DETOKENIZE_IDS = 1_000_000
+
+
+def engine_error_code(error: str) -> grpc.StatusCode:
+    if "KV" in error:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if "unavailable" in error:
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+def logprob_pb(token_id: int, entry: Logprob) -> pb.TokenLogprob:
+    lp, top = entry
+    return pb.TokenLogprob(token_id=token_id, logprob=lp,
+                           top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+
+
+def chunk_pb(c: Chunk) -> pb.CompletionOutput:
+    out = pb.CompletionOutput(index=c.index, token_ids=c.token_ids, text=c.text,
+                              finish_reason=c.finish_reason or "", replace=c.replace,
+                              stop_reason=c.stop_reason or "",
+                              logprobs=[logprob_pb(t, e) for t, e in c.logprobs])
+    if c.cumulative_logprob is not None:
+        out.cumulative_logprob = c.cumulative_logprob
+    return out
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, engine: EngineClient, tokenizer: Any, max_prompt_chars: int) -> None:
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.max_prompt_chars = max_prompt_chars
-
-    @property
-    def info(self) -> fe.EngineInfo:
-        assert self.engine.info is not None
-        return self.engine.info
-
-    @property
-    def limits(self) -> Limits:
-        info = self.info
-        # Block 0 is the blockmgr's null block; a prompt needs room for one more token.
-        kv_slots = (info.num_gpu_blocks - 1) * info.block_size
-        return Limits(info.model.vocab_size, info.model.max_model_len, self.max_prompt_chars, kv_slots)
+    def __init__(self, svc: GenerationService, keys: ApiKeys | None = None) -> None:
+        self.svc = svc
+        self.keys = keys or ApiKeys([])
 
     async def _require_ready(self, context: grpc.aio.ServicerContext) -> None:
-        if self.engine.info is None:
+        if not self.svc.ready:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still starting")
 
-    def _prepare(self, request: pb.GenerateRequest) -> tuple[str, list[int], Any]:
-        check_request_id(request.request_id)
-        check_prompt_text(request, self.limits)
-        if request.WhichOneof("input") == "prompt":
-            ids = list(self.tokenizer(request.prompt).input_ids)
-            check_prompt_ids(ids, self.limits, "prompt")
-        else:
-            ids = list(request.prompt_token_ids.ids)
-            check_prompt_ids(ids, self.limits, "prompt_token_ids")
-        params = sampling_params(request.sampling_params, len(ids), self.limits)
-        return request.request_id or uuid.uuid4().hex, ids, params
+    def _key_id(self, context: grpc.aio.ServicerContext) -> str | None:
+        if not self.keys.enabled:
+            return None
+        return self.keys.identify(metadata_value(context.invocation_metadata(), "authorization"))
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         await self._require_ready(context)
         try:
-            rid, ids, params = self._prepare(request)
+            req = self.svc.prepare(request)
         except ValidationError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except UnimplementedError as e:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(e))
         try:
-            queue = await self.engine.add_request(fe.AddRequest(rid, ids, params, time.time()))
+            stream = await self.svc.open(req, self._key_id(context))
+        except Rejected as e:
+            code = grpc.StatusCode.UNAVAILABLE if e.reason == "unavailable" else grpc.StatusCode.RESOURCE_EXHAUSTED
+            await context.abort(code, str(e))
         except DuplicateRequestId:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already running")
-        detok = IncrementalDetokenizer(self.tokenizer, ids)
-        completion = 0
-        finished = False
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {req.request_id!r} is already running")
         try:
-            while not finished:
-                delta = await queue.get()
-                finished = delta.finish_reason is not None
-                if delta.error is not None:
-                    code = next((c for k, c in _ERROR_CODES.items() if k in delta.error), grpc.StatusCode.INTERNAL)
-                    await context.abort(code, delta.error)
-                completion += len(delta.token_ids)
-                out = pb.CompletionOutput(index=delta.index, token_ids=delta.token_ids,
-                                          text=detok.add(delta.token_ids, final=finished),
-                                          finish_reason=delta.finish_reason or "")
-                resp = pb.GenerateResponse(request_id=rid, outputs=[out])
-                if finished:
-                    resp.usage.prompt_tokens = len(ids)
-                    resp.usage.completion_tokens = completion
+            async for resp in self._responses(stream):
                 yield resp
+        except EngineError as e:
+            await context.abort(engine_error_code(str(e)), str(e))
         finally:
-            # Cancelled or disconnected clients land here unfinished: free everything.
-            self.engine.release(rid, abort=not finished)
+            # Cancelled, timed-out or disconnected clients land here unfinished: free everything.
+            stream.close()
+
+    async def _responses(self, stream: RequestStream) -> AsyncIterator[pb.GenerateResponse]:
+        first = True
+        while (chunks := await stream.next()) is not None:
+            resp = pb.GenerateResponse(request_id=stream.request_id, outputs=[chunk_pb(c) for c in chunks])
+            if first and stream.prompt_logprobs:
+                ids = stream.req.prompt_ids[1:]
+                resp.prompt_logprobs.extend(logprob_pb(t, e) for t, e in zip(ids, stream.prompt_logprobs))
+                first = False
+            if stream.done:
+                resp.usage.prompt_tokens = len(stream.req.prompt_ids)
+                resp.usage.completion_tokens = stream.num_completion_tokens
+            if resp.outputs or stream.done:
+                yield resp
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        await self._require_ready(context)
+        try:
+            check_text(request.text, self.svc.limits, "text")
+        except ValidationError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        return pb.TokenizeResponse(token_ids=self.svc.tokenize(request.text, add))
+
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        await self._require_ready(context)
+        try:
+            if len(request.token_ids) > MAX_DETOKENIZE_IDS:
+                raise ValidationError("token_ids", f"at most {MAX_DETOKENIZE_IDS} ids")
+            check_token_ids(request.token_ids, self.svc.limits, "token_ids")
+        except ValidationError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        return pb.DetokenizeResponse(text=self.svc.detokenize(list(request.token_ids), skip))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         await self._require_ready(context)
-        m = self.info.model
+        info = self.svc.info
+        m = info.model
         return pb.ModelInfo(model_name=m.model_name, max_model_len=m.max_model_len,
-                            block_size=self.info.block_size, vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids)
+                            block_size=info.block_size, vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids)
 
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> pb.ServerInfo:
         await self._require_ready(context)
         try:
-            s = await self.engine.stats()
+            s = await self.svc.engine.stats()
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler did not answer")
+        info, cfg = self.svc.info, self.svc.cfg
         usage = 1.0 - s.num_free_gpu_blocks / s.num_gpu_blocks if s.num_gpu_blocks else 0.0
         return pb.ServerInfo(num_gpu_blocks=s.num_gpu_blocks, num_free_gpu_blocks=s.num_free_gpu_blocks,
                              num_cpu_blocks=s.num_cpu_blocks, num_free_cpu_blocks=s.num_free_cpu_blocks,
                              num_running=s.num_running, num_waiting=s.num_waiting, num_swapped=s.num_swapped,
                              kv_cache_usage=usage, prefix_cache_queries=s.prefix_cache_queries,
-                             prefix_cache_hits=s.prefix_cache_hits, device=self.info.model.device,
-                             max_num_seqs=self.info.max_num_seqs,
-                             max_num_batched_tokens=self.info.max_num_batched_tokens)
+                             prefix_cache_hits=s.prefix_cache_hits, device=info.model.device,
+                             max_num_seqs=info.max_num_seqs, max_num_batched_tokens=info.max_num_batched_tokens,
+                             model_name=info.model.model_name, max_model_len=info.model.max_model_len,
+                             block_size=info.block_size, num_preemptions=s.num_preemptions,
+                             max_queued_requests=cfg.max_queued_requests, max_n=cfg.max_n,
+                             max_beam_width=cfg.max_beam_width, num_requests_in_flight=self.svc.engine.num_streams,
+                             auth_enabled=cfg.auth_enabled, tls_enabled=cfg.tls_enabled)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         await self._require_ready(context)
-        if len(request.request_ids) > 1024:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_ids: at most 1024 per call")
-        for rid in request.request_ids:
-            try:
-                check_request_id(rid)
-            except ValidationError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.AbortResponse(num_aborted=await self.engine.abort(list(request.request_ids)))
+        try:
+            if len(request.request_ids) > MAX_ABORT_IDS:
+                raise ValidationError("request_ids", f"at most {MAX_ABORT_IDS} per call")
+            for rid in request.request_ids:
+                check_request_id(rid, "request_ids")
+        except ValidationError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.AbortResponse(num_aborted=await self.svc.engine.abort(list(request.request_ids)))
 
 
-async def serve(engine: EngineClient, tokenizer: Any, host: str, port: int,
-                max_prompt_chars: int, health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-    pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(engine, tokenizer, max_prompt_chars), server)
+def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
+    with open(cert_file, "rb") as c, open(key_file, "rb") as k:
+        return grpc.ssl_server_credentials([(k.read(), c.read())])
+
+
+async def serve(svc: GenerationService, host: str, port: int, health_servicer: health.aio.HealthServicer,
+                keys: ApiKeys | None = None, credentials: grpc.ServerCredentials | None = None) -> grpc.aio.Server:
+    interceptors = [AuthInterceptor(keys)] if keys is not None and keys.enabled else []
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES)])
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(svc, keys), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if server.add_insecure_port(f"{host}:{port}") == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    addr = f"{host}:{port}"
+    bound = server.add_secure_port(addr, credentials) if credentials else server.add_insecure_port(addr)
+    if bound == 0:
+        raise OSError(f"cannot bind {addr}")
     await server.start()
     return server
 

@@ -1,4 +1,9 @@
-"""The frontend process: the public gRPC server in front of the scheduler."""
+"""The frontend process: the public gRPC server (and the optional OpenAI
+HTTP gateway) in front of the scheduler.
+
+Every frontend-only flag also reads a ``PAGEDSERVE_*`` environment variable,
+so ``pagedserve serve`` (which hands its children only the engine flags) and
+compose can set them."""
 from __future__ import annotations
 
 import argparse
@@ -7,15 +12,29 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from grpc_health.v1 import health
 
 from pagedserve.common.config import add_address_args, add_engine_args, addresses_from_args, config_from_args
 from pagedserve.common.default_model import resolve_model
+from pagedserve.common.metrics import FrontendMetrics, add_metrics_arg, serve_metrics
+from pagedserve.frontend import http_gateway
+from pagedserve.frontend.auth import load_keys
 from pagedserve.frontend.engine_client import EngineClient
-from pagedserve.frontend.server import SERVICE_NAME, health_status, serve
+from pagedserve.frontend.generation import FrontendConfig, GenerationService
+from pagedserve.frontend.server import SERVICE_NAME, health_status, serve, server_credentials
 
 log = logging.getLogger("pagedserve.frontend")
+
+
+def _env(name: str, default: Any = None) -> Any:
+    return os.environ.get("PAGEDSERVE_" + name, default)
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    v = _env(name)
+    return int(v) if v not in (None, "") else default
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -24,12 +43,31 @@ async def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     model_dir = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    health_servicer = health.aio.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_status(False))
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("pagedserve frontend: --tls-cert and --tls-key go together")
+    keys = load_keys(args.api_key, args.api_key_file)
+    fcfg = FrontendConfig(max_prompt_chars=cfg.max_prompt_chars, max_stop_ids=cfg.max_stop_ids, max_n=args.max_n,
+                          max_beam_width=args.max_beam_width, max_queued_requests=args.max_queued_requests,
+                          max_concurrent_per_key=args.max_concurrent_per_key, auth_enabled=keys.enabled,
+                          tls_enabled=bool(args.tls_cert))
     engine = EngineClient(addresses_from_args(args))
-    server = await serve(engine, tokenizer, args.host, args.port,
-                         cfg.max_prompt_chars, health_servicer)
+    metrics = FrontendMetrics(lambda: engine.last_stats, lambda: engine.num_streams)
+    svc = GenerationService(engine, tokenizer, fcfg, metrics)
+    health_servicer = health.aio.HealthServicer()
+
+    async def set_health(serving: bool) -> None:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_status(serving))
+
+    await set_health(False)
+    creds = server_credentials(args.tls_cert, args.tls_key) if args.tls_cert else None
+    server = await serve(svc, args.host, args.port, health_servicer, keys, creds)
+    gateway_runner = None
+    if args.http_port is not None:
+        ssl_ctx = http_gateway.ssl_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+        gw = http_gateway.Gateway(svc, keys, metrics.registry, lambda: engine.healthy)
+        gateway_runner = await http_gateway.start(gw, args.host, args.http_port, ssl_ctx)
+    metrics_server = serve_metrics(args.metrics_port, metrics.registry, args.metrics_host)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -42,15 +80,20 @@ async def run(args: argparse.Namespace) -> int:
             start.cancel()
             return 0
         start.result()
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_status(True))
-        log.info("serving on %s:%d", args.host, args.port)
+        engine.watch(args.health_interval, args.health_timeout, set_health)
+        await set_health(True)
+        log.info("serving on %s:%d%s%s%s", args.host, args.port,
+                 f", HTTP on {args.http_port}" if args.http_port is not None else "",
+                 ", TLS" if creds else "", ", API keys" if keys.enabled else "")
         await stop.wait()
         return 0
     finally:
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_status(False))
+        await set_health(False)
         await server.stop(grace=1.0)
+        if gateway_runner is not None:
+            await gateway_runner.cleanup()
+        if metrics_server is not None:
+            metrics_server[0].shutdown()
         await engine.close()
 
 
@@ -58,8 +101,25 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pagedserve frontend")
     add_engine_args(p)
     add_address_args(p)
-    p.add_argument("--host", default=os.environ.get("PAGEDSERVE_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("PAGEDSERVE_PORT", "50051")))
+    add_metrics_arg(p, "frontend")
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=_env_int("PORT", 50051))
+    p.add_argument("--http-port", type=int, default=_env_int("HTTP_PORT", None),
+                   help="also serve the OpenAI-compatible HTTP API on this port")
+    p.add_argument("--tls-cert", default=_env("TLS_CERT"), help="PEM certificate chain: serve gRPC and HTTP over TLS")
+    p.add_argument("--tls-key", default=_env("TLS_KEY"), help="PEM private key of --tls-cert")
+    p.add_argument("--api-key", default=_env("API_KEY"), help="require 'authorization: Bearer KEY'")
+    p.add_argument("--api-key-file", default=_env("API_KEY_FILE"), help="accepted keys, one per line")
+    p.add_argument("--max-queued-requests", type=int, default=_env_int("MAX_QUEUED_REQUESTS", 1024),
+                   help="admitted requests without a first token yet; beyond it RESOURCE_EXHAUSTED")
+    p.add_argument("--max-concurrent-per-key", type=int, default=_env_int("MAX_CONCURRENT_PER_KEY", 64),
+                   help="open streams per API key (auth on)")
+    p.add_argument("--max-n", type=int, default=_env_int("MAX_N", 16))
+    p.add_argument("--max-beam-width", type=int, default=_env_int("MAX_BEAM_WIDTH", 8))
+    p.add_argument("--health-interval", type=float, default=float(_env("HEALTH_INTERVAL", 2.0)),
+                   help="seconds between scheduler liveness checks")
+    p.add_argument("--health-timeout", type=float, default=float(_env("HEALTH_TIMEOUT", 30.0)),
+                   help="no scheduler answer within this: NOT_SERVING")
     p.add_argument("--engine-timeout", type=float, default=1800.0, help="seconds to wait for the engine to start")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")

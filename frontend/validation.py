@@ -1,5 +1,6 @@
 """Bounds for every field a client sends. A broken bound raises
-``ValidationError`` naming the field; the server answers INVALID_ARGUMENT."""
+``ValidationError`` naming the field and the bound; the gRPC server answers
+INVALID_ARGUMENT, the HTTP gateway a 400 in the OpenAI error shape."""
 from __future__ import annotations
 
 import math
@@ -10,19 +11,29 @@ from pagedserve.common.messages.types import SamplingParams
 from pagedserve.v1 import generation_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 256
+MAX_REQUEST_BYTES = 4 * 1024 * 1024  # one GenerateRequest, serialized
 MAX_REQUEST_ID_LEN = 128
-MAX_STOP_TOKEN_IDS = 64
+MAX_CACHE_SALT_LEN = 256
 MAX_TEMPERATURE = 100.0
 MAX_SEED = 2**63 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_ABS_LOGIT_BIAS = 100.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_ABS_PENALTY = 2.0  # presence / frequency, as OpenAI
+MAX_ABS_LENGTH_PENALTY = 10.0
+MAX_ABORT_IDS = 1024
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]+$")
 
 
 class ValidationError(ValueError):
-    pass
+    """A bound was broken; ``field`` names it (dotted, as in the proto)."""
 
-
-class UnimplementedError(ValueError):
-    pass
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -31,74 +42,138 @@ class Limits:
     max_model_len: int
     max_prompt_chars: int = 1_000_000
     kv_slots: int | None = None  # token slots in the whole KV pool
+    max_n: int = 16
+    max_beam_width: int = 8
+    max_stop_ids: int = 64
 
 
-def check_request_id(rid: str) -> None:
+def check_request_id(rid: str, field: str = "request_id") -> None:
     if len(rid) > MAX_REQUEST_ID_LEN:
-        raise ValidationError(f"request_id: longer than {MAX_REQUEST_ID_LEN} characters")
+        raise ValidationError(field, f"longer than {MAX_REQUEST_ID_LEN} characters")
     if rid and not _REQUEST_ID.match(rid):
-        raise ValidationError("request_id: only letters, digits and . _ : - are allowed")
+        raise ValidationError(field, "only letters, digits and . _ : - are allowed")
+
+
+def check_request_size(req: pb.GenerateRequest) -> None:
+    size = req.ByteSize()
+    if size > MAX_REQUEST_BYTES:
+        raise ValidationError("request", f"{size} bytes exceeds the limit of {MAX_REQUEST_BYTES} bytes")
 
 
 def check_prompt_text(req: pb.GenerateRequest, limits: Limits) -> None:
     which = req.WhichOneof("input")
     if which is None:
-        raise ValidationError("prompt: one of prompt or prompt_token_ids is required")
+        raise ValidationError("prompt", "one of prompt or prompt_token_ids is required")
     if which == "prompt":
-        if not req.prompt:
-            raise ValidationError("prompt: must not be empty")
-        if len(req.prompt) > limits.max_prompt_chars:
-            raise ValidationError(f"prompt: longer than {limits.max_prompt_chars} characters")
+        check_text(req.prompt, limits, "prompt")
+
+
+def check_text(text: str, limits: Limits, field: str) -> None:
+    if not text:
+        raise ValidationError(field, "must not be empty")
+    if len(text) > limits.max_prompt_chars:
+        raise ValidationError(field, f"longer than {limits.max_prompt_chars} characters")
+
+
+def check_token_ids(ids: list[int] | tuple[int, ...], limits: Limits, field: str) -> None:
+    bad = next((t for t in ids if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise ValidationError(field, f"token id {bad} is outside the vocabulary (vocab_size={limits.vocab_size})")
 
 
 def check_prompt_ids(ids: list[int], limits: Limits, field: str) -> None:
     if not ids:
-        raise ValidationError(f"{field}: must not be empty")
+        raise ValidationError(field, "must not be empty")
     if len(ids) >= limits.max_model_len:
-        raise ValidationError(f"{field}: {len(ids)} tokens leaves no room to generate within "
-                              f"max_model_len={limits.max_model_len}")
+        raise ValidationError(field, f"{len(ids)} tokens leaves no room to generate within "
+                                     f"max_model_len={limits.max_model_len}")
     if limits.kv_slots is not None and len(ids) + 1 > limits.kv_slots:
-        raise ValidationError(f"{field}: {len(ids)} tokens do not fit in the KV cache ({limits.kv_slots} token slots)")
-    bad = next((t for t in ids if t >= limits.vocab_size), None)
-    if bad is not None:
-        raise ValidationError(f"{field}: token id {bad} is outside the vocabulary (vocab_size={limits.vocab_size})")
+        raise ValidationError(field, f"{len(ids)} tokens do not fit in the KV cache ({limits.kv_slots} token slots)")
+    check_token_ids(ids, limits, field)
 
 
-def sampling_params(sp: pb.SamplingParams, prompt_len: int, limits: Limits) -> SamplingParams:
+def check_cache_salt(salt: str) -> None:
+    if len(salt) > MAX_CACHE_SALT_LEN:
+        raise ValidationError("cache_salt", f"longer than {MAX_CACHE_SALT_LEN} characters")
+
+
+def _finite_in(value: float, lo: float, hi: float, field: str, lo_open: bool = False) -> None:
+    ok = math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        raise ValidationError(field, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request: engine params plus what only the frontend acts on."""
+
+    params: SamplingParams
+    stop: tuple[str, ...]
+    include_stop_str_in_output: bool
+
+
+def sampling_params(sp: pb.SamplingParams, prompt_len: int, limits: Limits) -> Prepared:
+    f = "sampling_params."
     room = limits.max_model_len - prompt_len
     if sp.HasField("max_tokens"):
         if sp.max_tokens == 0:
-            raise ValidationError("sampling_params.max_tokens: must be at least 1")
+            raise ValidationError(f + "max_tokens", "must be at least 1")
         if sp.max_tokens > room:
-            raise ValidationError(f"sampling_params.max_tokens: {sp.max_tokens} plus the prompt's {prompt_len} "
-                                  f"tokens exceeds max_model_len={limits.max_model_len}")
+            raise ValidationError(f + "max_tokens", f"{sp.max_tokens} plus the prompt's {prompt_len} tokens "
+                                                    f"exceeds max_model_len={limits.max_model_len}")
         max_tokens = sp.max_tokens
     else:
         max_tokens = min(DEFAULT_MAX_TOKENS, room)
     temperature = sp.temperature if sp.HasField("temperature") else 1.0
-    if not math.isfinite(temperature) or temperature < 0 or temperature > MAX_TEMPERATURE:
-        raise ValidationError(f"sampling_params.temperature: must be in [0, {MAX_TEMPERATURE}], got {temperature}")
+    _finite_in(temperature, 0.0, MAX_TEMPERATURE, f + "temperature")
     top_p = sp.top_p if sp.HasField("top_p") else 1.0
-    if not math.isfinite(top_p) or not 0 < top_p <= 1:
-        raise ValidationError(f"sampling_params.top_p: must be in (0, 1], got {top_p}")
+    _finite_in(top_p, 0.0, 1.0, f + "top_p", lo_open=True)
     if sp.top_k < 0 or sp.top_k > limits.vocab_size:
-        raise ValidationError(f"sampling_params.top_k: must be in [0, {limits.vocab_size}], got {sp.top_k}")
-    n = sp.n if sp.HasField("n") else 1
-    if n != 1:
-        raise UnimplementedError("sampling_params.n: only n=1 is supported so far")
-    if sp.stop:
-        raise UnimplementedError("sampling_params.stop: stop strings are not supported yet; use stop_token_ids")
-    if sp.min_tokens > max_tokens:
-        raise ValidationError(f"sampling_params.min_tokens: {sp.min_tokens} exceeds max_tokens={max_tokens}")
-    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise ValidationError(f"sampling_params.stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
-    bad = next((t for t in sp.stop_token_ids if t >= limits.vocab_size), None)
-    if bad is not None:
-        raise ValidationError(f"sampling_params.stop_token_ids: token id {bad} is outside the vocabulary "
-                              f"(vocab_size={limits.vocab_size})")
+        raise ValidationError(f + "top_k", f"must be in [0, {limits.vocab_size}], got {sp.top_k}")
+    _finite_in(sp.min_p, 0.0, 1.0, f + "min_p")
     seed = sp.seed if sp.HasField("seed") else None
     if seed is not None and seed > MAX_SEED:
-        raise ValidationError(f"sampling_params.seed: must be at most {MAX_SEED}")
-    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=sp.top_k,
-                          seed=seed, n=n, min_tokens=sp.min_tokens, stop_token_ids=tuple(sp.stop_token_ids),
-                          ignore_eos=sp.ignore_eos)
+        raise ValidationError(f + "seed", f"must be at most {MAX_SEED}")
+    n = sp.n if sp.HasField("n") else 1
+    if not 1 <= n <= limits.max_n:
+        raise ValidationError(f + "n", f"must be in [1, {limits.max_n}], got {n}")
+    beam_width = max(1, sp.beam_width)
+    if beam_width > limits.max_beam_width:
+        raise ValidationError(f + "beam_width", f"must be at most {limits.max_beam_width}, got {beam_width}")
+    if beam_width > 1 and n > beam_width:
+        raise ValidationError(f + "n", f"{n} exceeds beam_width={beam_width} (n beams are returned)")
+    length_penalty = sp.length_penalty if sp.HasField("length_penalty") else 1.0
+    _finite_in(length_penalty, -MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY, f + "length_penalty")
+    if len(sp.stop) > MAX_STOP_STRINGS:
+        raise ValidationError(f + "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(sp.stop)}")
+    for s in sp.stop:
+        if not s or len(s) > MAX_STOP_STRING_LEN:
+            raise ValidationError(f + "stop", f"each stop string must have 1 to {MAX_STOP_STRING_LEN} characters")
+    if sp.min_tokens > max_tokens:
+        raise ValidationError(f + "min_tokens", f"{sp.min_tokens} exceeds max_tokens={max_tokens}")
+    if len(sp.stop_token_ids) > limits.max_stop_ids:
+        raise ValidationError(f + "stop_token_ids", f"at most {limits.max_stop_ids} ids, got {len(sp.stop_token_ids)}")
+    check_token_ids(sp.stop_token_ids, limits, f + "stop_token_ids")
+    repetition_penalty = sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0
+    _finite_in(repetition_penalty, 0.0, MAX_REPETITION_PENALTY, f + "repetition_penalty", lo_open=True)
+    _finite_in(sp.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, f + "presence_penalty")
+    _finite_in(sp.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, f + "frequency_penalty")
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
+        raise ValidationError(f + "logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(sp.logit_bias)}")
+    check_token_ids(list(sp.logit_bias), limits, f + "logit_bias")
+    for v in sp.logit_bias.values():
+        _finite_in(v, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS, f + "logit_bias")
+    logprobs = sp.logprobs if sp.HasField("logprobs") else None
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise ValidationError(f + "logprobs", f"must be at most {MAX_LOGPROBS}, got {logprobs}")
+    prompt_logprobs = sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and prompt_logprobs > MAX_LOGPROBS:
+        raise ValidationError(f + "prompt_logprobs", f"must be at most {MAX_LOGPROBS}, got {prompt_logprobs}")
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seed,
+        n=n, min_tokens=sp.min_tokens, stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        repetition_penalty=repetition_penalty, presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty, logit_bias=dict(sp.logit_bias), logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs, beam_width=beam_width, length_penalty=length_penalty,
+        early_stopping=sp.early_stopping)
+    return Prepared(params, tuple(sp.stop), sp.include_stop_str_in_output)

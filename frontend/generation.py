@@ -1,0 +1,270 @@
+"""The engine path shared by the gRPC API and the HTTP gateway: validate,
+admit (bounded queue, per-key concurrency), submit, and turn engine deltas
+into client chunks while recording metrics.
+
+Admission: a request counts as *queued* from the moment it is admitted until
+the engine reports on it (its first token, or its end). At most
+``max_queued_requests`` may be queued; one more is refused at once with
+``Rejected`` (RESOURCE_EXHAUSTED / HTTP 429) instead of joining a backlog
+that only grows. With auth on, each API key may hold at most
+``max_concurrent_per_key`` open streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.common.messages import frontend as fe
+from pagedserve.common.metrics import FrontendMetrics
+from pagedserve.frontend.engine_client import EngineClient, EngineUnavailable, Item
+from pagedserve.frontend.outputs import Chunk, Logprob, OutputState
+from pagedserve.frontend.validation import (
+    Limits,
+    Prepared,
+    check_cache_salt,
+    check_prompt_ids,
+    check_prompt_text,
+    check_request_id,
+    check_request_size,
+    sampling_params,
+)
+from pagedserve.v1 import generation_pb2 as pb
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    max_prompt_chars: int = 1_000_000
+    max_stop_ids: int = 64
+    max_n: int = 16
+    max_beam_width: int = 8
+    max_queued_requests: int = 1024
+    max_concurrent_per_key: int = 64
+    auth_enabled: bool = False
+    tls_enabled: bool = False
+
+
+class Rejected(Exception):
+    """Refused before reaching the engine; ``reason`` is a metrics label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class EngineError(Exception):
+    """The engine failed the request (``message`` is the scheduler's)."""
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    prompt_ids: list[int]
+    prep: Prepared
+    cache_salt: str | None
+
+
+class GenerationService:
+    def __init__(self, engine: EngineClient, tokenizer: Any, cfg: FrontendConfig,
+                 metrics: FrontendMetrics | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.metrics = metrics
+        self.num_queued = 0
+        self._per_key: dict[str, int] = {}
+
+    @property
+    def info(self) -> fe.EngineInfo:
+        assert self.engine.info is not None
+        return self.engine.info
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.info is not None
+
+    @property
+    def limits(self) -> Limits:
+        info = self.info
+        # Block 0 is the blockmgr's null block; a prompt needs room for one more token.
+        kv_slots = (info.num_gpu_blocks - 1) * info.block_size
+        return Limits(info.model.vocab_size, info.model.max_model_len, self.cfg.max_prompt_chars, kv_slots,
+                      self.cfg.max_n, self.cfg.max_beam_width, self.cfg.max_stop_ids)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                         clean_up_tokenization_spaces=False))
+
+    def prepare(self, request: pb.GenerateRequest, add_special_tokens: bool = True) -> PreparedRequest:
+        """Validates every field; raises ``ValidationError``."""
+        limits = self.limits
+        check_request_size(request)
+        check_request_id(request.request_id)
+        check_cache_salt(request.cache_salt)
+        check_prompt_text(request, limits)
+        if request.WhichOneof("input") == "prompt":
+            ids = self.tokenize(request.prompt, add_special_tokens)
+            check_prompt_ids(ids, limits, "prompt")
+        else:
+            ids = list(request.prompt_token_ids.ids)
+            check_prompt_ids(ids, limits, "prompt_token_ids")
+        prep = sampling_params(request.sampling_params, len(ids), limits)
+        return PreparedRequest(request.request_id or uuid.uuid4().hex, ids, prep, request.cache_salt or None)
+
+    def reject(self, reason: str, message: str) -> Rejected:
+        if self.metrics:
+            self.metrics.request_rejected.labels(reason).inc()
+        return Rejected(reason, message)
+
+    async def open(self, req: PreparedRequest, key_id: str | None = None) -> "RequestStream":
+        """Admit and submit; raises ``Rejected``."""
+        if not self.engine.healthy:
+            raise self.reject("unavailable", "the engine is unavailable")
+        if self.num_queued >= self.cfg.max_queued_requests:
+            raise self.reject("queue_full", f"server busy: {self.num_queued} requests queued "
+                                            f"(max_queued_requests={self.cfg.max_queued_requests})")
+        if key_id is not None and self._per_key.get(key_id, 0) >= self.cfg.max_concurrent_per_key:
+            raise self.reject("key_concurrency", f"this API key already has {self._per_key[key_id]} requests in "
+                                                 f"flight (max_concurrent_per_key={self.cfg.max_concurrent_per_key})")
+        stream = RequestStream(self, req, key_id)
+        stream.admit()  # before the await: concurrent opens must see this one
+        try:
+            stream.queue = await self.engine.add_request(
+                fe.AddRequest(req.request_id, req.prompt_ids, req.prep.params, time.time(), req.cache_salt))
+        except BaseException as e:
+            stream.unadmit()
+            if isinstance(e, EngineUnavailable):
+                raise self.reject("unavailable", str(e)) from e
+            raise
+        return stream
+
+    def _enter(self, key_id: str | None) -> None:
+        self.num_queued += 1
+        if key_id is not None:
+            self._per_key[key_id] = self._per_key.get(key_id, 0) + 1
+
+    def _leave_queue(self) -> None:
+        self.num_queued -= 1
+
+    def _leave(self, key_id: str | None) -> None:
+        if key_id is not None:
+            left = self._per_key[key_id] - 1
+            if left:
+                self._per_key[key_id] = left
+            else:
+                del self._per_key[key_id]
+
+
+class RequestStream:
+    """One admitted request: ``await next()`` returns the chunks new since
+    the last call (every delta already waiting is folded in, so a slow
+    client gets fewer, larger messages), or None once every output finished.
+    ``close()`` must run (finally): it aborts the request if unfinished."""
+
+    def __init__(self, svc: GenerationService, req: PreparedRequest, key_id: str | None) -> None:
+        self.svc = svc
+        self.req = req
+        self.key_id = key_id
+        self.queue: asyncio.Queue[Item] | None = None
+        self.n = req.prep.params.n
+        self.outputs: dict[int, OutputState] = {}
+        self.prompt_logprobs: list[Logprob] | None = None
+        self.arrival = time.monotonic()
+        self.first_token_at: float | None = None
+        self._last_token_at: dict[int, float] = {}
+        self._queued = False
+        self._admitted = False
+        self.done = False
+        self.finish_reason: str | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    def admit(self) -> None:
+        self._admitted = self._queued = True
+        self.svc._enter(self.key_id)
+
+    def unadmit(self) -> None:
+        """Undo ``admit`` for a request the engine never got."""
+        self._admitted = False
+        self._dequeue()
+        self.svc._leave(self.key_id)
+
+    def _dequeue(self) -> None:
+        if self._queued:
+            self._queued = False
+            self.svc._leave_queue()
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(o.num_tokens for o in self.outputs.values())
+
+    async def next(self) -> list[Chunk] | None:
+        if self.done:
+            return None
+        assert self.queue is not None
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        merged: dict[int, Chunk] = {}
+        m = self.svc.metrics
+        for t, d in items:
+            self._dequeue()
+            if d.error is not None:
+                self.done = True
+                self.finish_reason = "error"
+                if m:
+                    m.request_success.labels("error").inc()
+                raise EngineError(d.error)
+            if d.prompt_logprobs and self.prompt_logprobs is None:
+                self.prompt_logprobs = list(d.prompt_logprobs)
+            st = self.outputs.get(d.index)
+            if st is None:
+                p = self.req.prep
+                st = self.outputs[d.index] = OutputState(d.index, self.svc.tokenizer, self.req.prompt_ids, p.stop,
+                                                         p.include_stop_str_in_output, p.params.logprobs is not None)
+            if d.token_ids and not st.finished:
+                if self.first_token_at is None:
+                    self.first_token_at = t
+                    if m:
+                        m.ttft.observe(t - self.arrival)
+                        m.prompt_tokens.inc(len(self.req.prompt_ids))
+                if m:
+                    m.generation_tokens.inc(len(d.token_ids))
+                    last = self._last_token_at.get(d.index)
+                    if last is not None and not d.replace:
+                        m.itl.observe(t - last)
+                self._last_token_at[d.index] = t
+            chunk = st.on_delta(d)
+            if chunk is not None:
+                if chunk.index in merged:
+                    merged[chunk.index].merge(chunk)
+                else:
+                    merged[chunk.index] = chunk
+                if chunk.finish_reason is not None:
+                    self.finish_reason = chunk.finish_reason
+        if sum(o.finished for o in self.outputs.values()) >= self.n:
+            self.done = True
+            if m:
+                m.e2e.observe(time.monotonic() - self.arrival)
+                m.request_success.labels(self.finish_reason or "stop").inc()
+                m.prompt_len.observe(len(self.req.prompt_ids))
+        return sorted(merged.values(), key=lambda c: c.index)
+
+    def close(self) -> None:
+        if not self._admitted:
+            return
+        self._admitted = False
+        self._dequeue()
+        self.svc._leave(self.key_id)
+        # Outputs ended by a stop string are finished for the client, not for the engine.
+        engine_busy = not self.done or any(o.stopped_by_string for o in self.outputs.values())
+        if not self.done and self.svc.metrics:
+            self.svc.metrics.request_success.labels("abort").inc()
+        self.svc.engine.release(self.request_id, abort=engine_busy and self.finish_reason != "error")

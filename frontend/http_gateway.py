@@ -1,0 +1,366 @@
+"""OpenAI-compatible HTTP gateway (``--http-port``), in the frontend process.
+
+``/v1/completions`` and ``/v1/chat/completions`` (the model's chat template)
+are translated into a ``GenerateRequest`` and take the same engine path as
+gRPC (validation, admission, stop strings, metrics); ``stream: true`` answers
+with server-sent events. Also ``/v1/models``, ``/health`` (200 or 503) and
+``/metrics``. Errors use OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import ssl
+import time
+import uuid
+from typing import Any, Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pagedserve.frontend.auth import ApiKeys
+from pagedserve.frontend.engine_client import DuplicateRequestId
+from pagedserve.frontend.generation import EngineError, GenerationService, Rejected, RequestStream
+from pagedserve.frontend.outputs import Chunk
+from pagedserve.frontend.validation import MAX_REQUEST_BYTES, ValidationError
+from pagedserve.v1 import generation_pb2 as pb
+
+log = logging.getLogger("pagedserve.frontend")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# OpenAI body field -> SamplingParams field, for plain scalars.
+_SCALARS = {
+    "temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "seed",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    # vLLM-style extras
+    "top_k": "top_k", "min_p": "min_p", "min_tokens": "min_tokens", "repetition_penalty": "repetition_penalty",
+    "ignore_eos": "ignore_eos", "include_stop_str_in_output": "include_stop_str_in_output",
+    "beam_width": "beam_width", "length_penalty": "length_penalty", "early_stopping": "early_stopping",
+    "prompt_logprobs": "prompt_logprobs",
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type_, param, code
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+        return web.json_response(body, status=self.status)
+
+
+def _openai_param(field: str) -> str:
+    name = field.removeprefix("sampling_params.")
+    return {"prompt_token_ids": "prompt", "request": "body"}.get(name, name)
+
+
+def _set(sp: pb.SamplingParams, name: str, value: Any, param: str) -> None:
+    try:
+        setattr(sp, name, value)
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, f"{param}: invalid value {value!r} ({e})", param=param) from None
+
+
+class Gateway:
+    def __init__(self, svc: GenerationService, keys: ApiKeys, registry: Any, healthy: Callable[[], bool]) -> None:
+        self.svc = svc
+        self.keys = keys
+        self.registry = registry
+        self.healthy = healthy
+
+    # ------------------------------------------------------------ plumbing
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._errors])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            if request.path not in ("/health", "/metrics"):
+                self._key_id(request)
+            return await handler(request)
+        except ApiError as e:
+            return e.response()
+        except web.HTTPException as e:
+            if e.status == 413:
+                return ApiError(413, f"body: larger than {MAX_REQUEST_BYTES} bytes", param="body").response()
+            return ApiError(e.status, e.reason, code=str(e.status)).response()
+
+    def _key_id(self, request: web.Request) -> str | None:
+        if not self.keys.enabled:
+            return None
+        key = self.keys.identify(request.headers.get("Authorization"))
+        if key is None:
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        return key
+
+    def _model_name(self) -> str:
+        if not self.svc.ready:
+            raise ApiError(503, "the engine is still starting", "service_unavailable")
+        return self.svc.info.model.model_name
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"body: not valid JSON ({e})", param="body") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "body: must be a JSON object", param="body")
+        model = body.get("model")
+        if model is not None and model != self._model_name():
+            raise ApiError(404, f"model: {model!r} is not served here (try {self._model_name()!r})",
+                           param="model", code="model_not_found")
+        return body
+
+    # ------------------------------------------------------------ simple routes
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.svc.ready and self.healthy()
+        return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self._model_name()
+        info = self.svc.info.model
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "max_model_len": info.max_model_len}]})
+
+    # ------------------------------------------------------------ translation
+    def _sampling(self, body: dict[str, Any], req: pb.GenerateRequest, default_max_tokens: int | None) -> None:
+        sp = req.sampling_params
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is None:
+            max_tokens = default_max_tokens
+        if max_tokens is not None:
+            _set(sp, "max_tokens", max_tokens, "max_tokens")
+        for key, name in _SCALARS.items():
+            if body.get(key) is not None:
+                _set(sp, name, body[key], key)
+        if body.get("use_beam_search") and not sp.beam_width:
+            sp.beam_width = max(sp.n if sp.HasField("n") else 1, 2)
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != (sp.n if sp.HasField("n") else 1):
+            raise ApiError(400, "best_of: only best_of == n is supported", param="best_of")
+        stop = body.get("stop")
+        if stop is not None:
+            stops = [stop] if isinstance(stop, str) else stop
+            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+                raise ApiError(400, "stop: must be a string or a list of strings", param="stop")
+            sp.stop.extend(stops)
+        if body.get("stop_token_ids") is not None:
+            _set(sp, "stop_token_ids", body["stop_token_ids"], "stop_token_ids")
+        bias = body.get("logit_bias")
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ApiError(400, "logit_bias: must be an object of token id -> bias", param="logit_bias")
+            try:
+                entries = {int(k): float(v) for k, v in bias.items()}
+            except (TypeError, ValueError):
+                raise ApiError(400, "logit_bias: keys must be token ids and values numbers",
+                               param="logit_bias") from None
+            if any(k < 0 for k in entries):
+                raise ApiError(400, "logit_bias: token ids must be non-negative", param="logit_bias")
+            _set(sp, "logit_bias", entries, "logit_bias")
+        if isinstance(body.get("cache_salt"), str):
+            req.cache_salt = body["cache_salt"]
+
+    def _prepare(self, req: pb.GenerateRequest, add_special_tokens: bool = True) -> Any:
+        try:
+            return self.svc.prepare(req, add_special_tokens)
+        except ValidationError as e:
+            raise ApiError(400, str(e), param=_openai_param(e.field)) from None
+
+    async def _open(self, request: web.Request, prepared: Any) -> RequestStream:
+        try:
+            return await self.svc.open(prepared, self._key_id(request))
+        except Rejected as e:
+            if e.reason == "unavailable":
+                raise ApiError(503, str(e), "service_unavailable") from None
+            raise ApiError(429, str(e), "rate_limit_error", code=e.reason) from None
+        except DuplicateRequestId:
+            raise ApiError(409, "request id already running", code="duplicate") from None
+
+    def _token_str(self, tok: int) -> str:
+        return self.svc.detokenize([tok], skip_special_tokens=False)
+
+    # ------------------------------------------------------------ /v1/completions
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        if body.get("echo"):
+            raise ApiError(400, "echo: not supported", param="echo")
+        if body.get("suffix"):
+            raise ApiError(400, "suffix: not supported", param="suffix")
+        req = pb.GenerateRequest()
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if any(t < 0 for t in prompt):
+                raise ApiError(400, "prompt: token ids must be non-negative", param="prompt")
+            req.prompt_token_ids.ids.extend(prompt)
+        else:
+            raise ApiError(400, "prompt: must be a string or a list of token ids (one prompt per request)",
+                           param="prompt")
+        self._sampling(body, req, DEFAULT_COMPLETION_MAX_TOKENS)
+        if body.get("logprobs") is not None:
+            _set(req.sampling_params, "logprobs", body["logprobs"], "logprobs")
+        prepared = self._prepare(req)
+        stream = await self._open(request, prepared)
+        ctx = _Ctx("cmpl-" + uuid.uuid4().hex, "text_completion", self._model_name(), prepared.prep.params.n)
+        return await self._run(request, body, stream, ctx, self._completion_choice)
+
+    def _completion_choice(self, c: Chunk, acc: dict[str, Any] | None) -> dict[str, Any]:
+        lp = None
+        if c.logprobs:
+            lp = {"tokens": [self._token_str(t) for t, _ in c.logprobs],
+                  "token_logprobs": [e[0] for _, e in c.logprobs],
+                  "top_logprobs": [{self._token_str(t): v for t, v in e[1]} for _, e in c.logprobs],
+                  "text_offset": []}
+        return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    # ------------------------------------------------------------ /v1/chat/completions
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages: must be a non-empty list", param="messages")
+        conv = []
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(400, "messages: each message needs a role and content", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                    raise ApiError(400, "messages: only text content parts are supported", param="messages")
+                content = "".join(str(p.get("text", "")) for p in content)
+            if not isinstance(content, str):
+                raise ApiError(400, "messages: content must be a string", param="messages")
+            conv.append({"role": m["role"], "content": content})
+        tok = self.svc.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ApiError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
+        req = pb.GenerateRequest(prompt=chat_prompt(tok, conv))
+        self._sampling(body, req, None)
+        if body.get("logprobs"):
+            _set(req.sampling_params, "logprobs", body.get("top_logprobs") or 0, "top_logprobs")
+        # The template already wrote the special tokens it wants.
+        prepared = self._prepare(req, add_special_tokens=False)
+        stream = await self._open(request, prepared)
+        ctx = _Ctx("chatcmpl-" + uuid.uuid4().hex, "chat.completion", self._model_name(), prepared.prep.params.n)
+        return await self._run(request, body, stream, ctx, self._chat_choice)
+
+    def _chat_logprobs(self, c: Chunk) -> dict[str, Any] | None:
+        if not c.logprobs:
+            return None
+
+        def entry(t: int, v: float) -> dict[str, Any]:
+            s = self._token_str(t)
+            return {"token": s, "logprob": v, "bytes": list(s.encode())}
+
+        return {"content": [{**entry(t, e[0]), "top_logprobs": [entry(a, b) for a, b in e[1]]}
+                            for t, e in c.logprobs]}
+
+    def _chat_choice(self, c: Chunk, acc: dict[str, Any] | None) -> dict[str, Any]:
+        if acc is None:  # a non-streaming choice
+            return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(c), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
+        delta: dict[str, Any] = {}
+        if not acc.get("role_sent"):
+            acc["role_sent"] = True
+            delta["role"] = "assistant"
+        if c.text:
+            delta["content"] = c.text
+        elif "role" in delta:
+            delta["content"] = ""
+        return {"index": c.index, "delta": delta, "logprobs": self._chat_logprobs(c),
+                "finish_reason": c.finish_reason}
+
+    # ------------------------------------------------------------ shared
+    async def _run(self, request: web.Request, body: dict[str, Any], stream: RequestStream, ctx: "_Ctx",
+                   choice: Callable[[Chunk, dict[str, Any] | None], dict[str, Any]]) -> web.StreamResponse:
+        try:
+            if body.get("stream"):
+                return await self._stream(request, body, stream, ctx, choice)
+            merged: dict[int, Chunk] = {}
+            while (chunks := await stream.next()) is not None:
+                for c in chunks:
+                    if c.index in merged:
+                        merged[c.index].merge(c)
+                    else:
+                        merged[c.index] = c
+            choices = [choice(merged.get(i, Chunk(i)), None) for i in range(max(ctx.n, len(merged)))]
+            return web.json_response({"id": ctx.id, "object": ctx.object, "created": ctx.created,
+                                      "model": ctx.model, "choices": choices, "usage": _usage(stream)})
+        except EngineError as e:
+            raise ApiError(500, str(e), "server_error") from None
+        finally:
+            stream.close()
+
+    async def _stream(self, request: web.Request, body: dict[str, Any], stream: RequestStream, ctx: "_Ctx",
+                      choice: Callable[[Chunk, dict[str, Any] | None], dict[str, Any]]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        obj = ctx.object + ".chunk" if ctx.object == "chat.completion" else ctx.object
+        accs: dict[int, dict[str, Any]] = {}
+
+        async def send(payload: dict[str, Any]) -> None:
+            await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+        try:
+            while (chunks := await stream.next()) is not None:
+                choices = [choice(c, accs.setdefault(c.index, {})) for c in chunks]
+                if choices:
+                    await send({"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model,
+                                "choices": choices})
+        except EngineError as e:
+            await send({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await send({"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model, "choices": [],
+                        "usage": _usage(stream)})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+class _Ctx:
+    def __init__(self, id_: str, obj: str, model: str, n: int) -> None:
+        self.id, self.object, self.model, self.n = id_, obj, model, n
+        self.created = int(time.time())
+
+
+def _usage(stream: RequestStream) -> dict[str, int]:
+    p, c = len(stream.req.prompt_ids), stream.num_completion_tokens
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The templated prompt text, as a gRPC client would send it."""
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+async def start(gateway: Gateway, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> web.AppRunner:
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
+    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
+    return runner
+
+
+def ssl_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert_file, key_file)
+    return ctx

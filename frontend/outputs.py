@@ -1,0 +1,189 @@
+"""From engine token deltas to what a client sees: incremental text, stop
+strings with streaming hold-back, logprobs, finish reasons.
+
+Pure code (no sockets, no gRPC): the gRPC servicer and the HTTP gateway both
+feed ``TokenDelta``s in and format the ``Chunk``s that come out.
+
+Hold-back: text that could be the start of a stop string is kept until the
+next tokens decide it. Token ids are held with the text they spell (each
+token is released once all the text up to its end has been released), so a
+client that decodes ids sees no more than one that reads text.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.common.messages.frontend import TokenDelta
+from pagedserve.frontend.detokenizer import IncrementalDetokenizer
+
+Logprob = tuple[float, list[tuple[int, float]]]  # (logprob of the token, top-k (token, logprob))
+
+
+class StopChecker:
+    """Finds the earliest stop string in streamed text and holds back any
+    suffix that might still grow into one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self._max_hold = max(len(s) for s in stops) - 1
+        self._firsts = {s[0] for s in stops}
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """Returns (text safe to release, matched stop string or None).
+        On a match the released text ends just before the stop string."""
+        buf = self._held + text
+        best: tuple[int, str] | None = None
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            self._held = ""
+            return buf[:best[0]], best[1]
+        hold = 0
+        for k in range(min(len(buf), self._max_hold), 0, -1):
+            if buf[-k] in self._firsts and any(s.startswith(buf[-k:]) for s in self.stops):
+                hold = k
+                break
+        self._held = buf[len(buf) - hold:] if hold else ""
+        return (buf[:len(buf) - hold] if hold else buf), None
+
+    def flush(self) -> str:
+        out, self._held = self._held, ""
+        return out
+
+
+def first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    return min(hits) if hits else None
+
+
+@dataclass
+class Chunk:
+    """New output of one index since the previous chunk."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[tuple[int, Logprob]] = field(default_factory=list)  # (token id, entry)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    replace: bool = False
+    cumulative_logprob: float | None = None
+
+    def merge(self, later: "Chunk") -> None:
+        if later.replace:
+            self.token_ids, self.text, self.logprobs = [], "", []
+            self.replace = True
+        self.token_ids += later.token_ids
+        self.text += later.text
+        self.logprobs += later.logprobs
+        self.finish_reason = later.finish_reason or self.finish_reason
+        self.stop_reason = later.stop_reason or self.stop_reason
+        if later.cumulative_logprob is not None:
+            self.cumulative_logprob = later.cumulative_logprob
+
+
+class OutputState:
+    """One of a request's n outputs."""
+
+    def __init__(self, index: int, tokenizer: Any, prompt_ids: list[int], stops: tuple[str, ...],
+                 include_stop: bool, want_logprobs: bool) -> None:
+        self.index = index
+        self._tok = tokenizer
+        self._prompt_ids = prompt_ids
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stops = stops
+        self._stop = StopChecker(stops) if stops else None
+        self._include_stop = include_stop
+        self._want_logprobs = want_logprobs
+        self._pending: deque[tuple[int, Logprob | None, int]] = deque()  # (token, logprob, text end offset)
+        self._chars = 0  # text decoded so far
+        self._released_chars = 0
+        self.num_tokens = 0  # tokens released to the client
+        self.num_generated = 0  # tokens the engine produced for this output
+        self.cumulative_logprob = 0.0
+        self.finished = False
+        self.stopped_by_string = False
+
+    def _release(self, chunk: Chunk, upto_chars: int | None) -> None:
+        while self._pending and (upto_chars is None or self._pending[0][2] <= upto_chars):
+            tok, lp, _ = self._pending.popleft()
+            chunk.token_ids.append(tok)
+            if lp is not None:
+                chunk.logprobs.append((tok, lp))
+            self.num_tokens += 1
+
+    def on_delta(self, d: TokenDelta) -> Chunk | None:
+        if self.finished:
+            return None
+        if d.replace:
+            return self._on_whole(d)
+        chunk = Chunk(self.index)
+        lps: list[Logprob | None] = list(d.logprobs) if len(d.logprobs) == len(d.token_ids) else \
+            [None] * len(d.token_ids)
+        final = d.finish_reason is not None
+        self.num_generated += len(d.token_ids)
+        for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
+            text = self._detok.add([tok], final=final and i == len(d.token_ids) - 1)
+            self._chars += len(text)
+            self._pending.append((tok, lp if self._want_logprobs else None, self._chars))
+            if lp is not None:
+                self.cumulative_logprob += lp[0]
+            if self._stop is None:
+                chunk.text += text
+                continue
+            emit, matched = self._stop.feed(text)
+            self._released_chars += len(emit)
+            chunk.text += emit
+            if matched is not None:
+                if self._include_stop:
+                    chunk.text += matched
+                self._release(chunk, None)  # tokens up to the one that completed the stop string
+                chunk.finish_reason, chunk.stop_reason = "stop", matched
+                self.finished = self.stopped_by_string = True
+                break
+            self._release(chunk, self._released_chars)
+        if self._stop is None:
+            self._release(chunk, None)
+        if final and not self.finished:
+            if self._stop is not None:
+                chunk.text += self._stop.flush()
+            self._release(chunk, None)
+            chunk.finish_reason = d.finish_reason
+            self.finished = True
+        if self.finished and self._want_logprobs:
+            chunk.cumulative_logprob = d.cumulative_logprob if d.cumulative_logprob is not None \
+                else self.cumulative_logprob
+        if not chunk.token_ids and not chunk.text and chunk.finish_reason is None:
+            return None
+        return chunk
+
+    def _on_whole(self, d: TokenDelta) -> Chunk:
+        """A beam (or any output) sent whole: replaces what was sent before."""
+        ids = list(d.token_ids)
+        lps = list(d.logprobs) if len(d.logprobs) == len(ids) else []
+        text = IncrementalDetokenizer(self._tok, self._prompt_ids).add(ids, final=True)
+        chunk = Chunk(self.index, replace=True, finish_reason=d.finish_reason,
+                      cumulative_logprob=d.cumulative_logprob)
+        hit = first_stop(text, self._stops) if self._stops else None
+        if hit is not None:
+            end = hit[0] + (len(hit[1]) if self._include_stop else 0)
+            # Keep the tokens up to the one whose text completes the stop string.
+            detok = IncrementalDetokenizer(self._tok, self._prompt_ids)
+            n, chars = 0, 0
+            while n < len(ids) and chars < hit[0] + len(hit[1]):
+                chars += len(detok.add([ids[n]], final=n == len(ids) - 1))
+                n += 1
+            ids, lps, text = ids[:n], lps[:n], text[:end]
+            chunk.finish_reason, chunk.stop_reason = "stop", hit[1]
+        chunk.token_ids, chunk.text = ids, text
+        if self._want_logprobs:
+            chunk.logprobs = list(zip(ids, lps))
+        self.num_tokens = len(ids)
+        self.num_generated = len(d.token_ids)
+        self.finished = d.finish_reason is not None or hit is not None
+        return chunk
