@@ -100,7 +100,9 @@ class OutputState:
         self._stop = StopChecker(stops) if stops else None
         self._include_stop = include_stop
         self._want_logprobs = want_logprobs
-        self._pending: deque[tuple[int, Logprob | None, int]] = deque()  # (token, logprob, text end offset)
+        # [token, logprob, end offset of its text]; the offset is None while the
+        # detokenizer still holds the token's bytes (an incomplete character).
+        self._pending: deque[list[Any]] = deque()
         self._chars = 0  # text decoded so far
         self._released_chars = 0
         self.num_tokens = 0  # tokens released to the client
@@ -110,7 +112,8 @@ class OutputState:
         self.stopped_by_string = False
 
     def _release(self, chunk: Chunk, upto_chars: int | None) -> None:
-        while self._pending and (upto_chars is None or self._pending[0][2] <= upto_chars):
+        while self._pending and (upto_chars is None or (self._pending[0][2] is not None and
+                                                         self._pending[0][2] <= upto_chars)):
             tok, lp, _ = self._pending.popleft()
             chunk.token_ids.append(tok)
             if lp is not None:
@@ -130,7 +133,12 @@ class OutputState:
         for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
             text = self._detok.add([tok], final=final and i == len(d.token_ids) - 1)
             self._chars += len(text)
-            self._pending.append((tok, lp if self._want_logprobs else None, self._chars))
+            self._pending.append([tok, lp if self._want_logprobs else None, None])
+            if text:
+                for entry in reversed(self._pending):
+                    if entry[2] is not None:
+                        break
+                    entry[2] = self._chars
             if lp is not None:
                 self.cumulative_logprob += lp[0]
             if self._stop is None:
