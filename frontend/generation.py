@@ -114,7 +114,13 @@ class GenerationService:
             ids = list(request.prompt_token_ids.ids)
             check_prompt_ids(ids, limits, "prompt_token_ids")
         prep = sampling_params(request.sampling_params, len(ids), limits)
-        return PreparedRequest(request.request_id or uuid.uuid4().hex, ids, prep, request.cache_salt or None)
+        rid = request.request_id or uuid.uuid4().hex
+        salt = request.cache_salt or None
+        if prep.params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position computed: a salt of its
+            # own keeps prefix-cache hits from skipping any.
+            salt = f"{salt or ''}:prompt-logprobs:{rid}:{uuid.uuid4().hex}"
+        return PreparedRequest(rid, ids, prep, salt)
 
     def reject(self, reason: str, message: str) -> Rejected:
         if self.metrics:
