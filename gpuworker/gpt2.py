@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.gpuworker.layers import AttentionMetadata, LayerNorm, PagedAttention, check_loaded, copy_weight
+from pagedserve.gpuworker.distributed import SINGLE, TPGroup, head_range, split_range
+from pagedserve.gpuworker.layers import AttentionMetadata, LayerNorm, PagedAttention
+from pagedserve.gpuworker.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, WeightLoader, qkv_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 _ACTS = {
@@ -23,21 +25,22 @@ _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, tp: TPGroup) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.num_heads, self.head_dim = cfg.num_attention_heads, h // cfg.num_attention_heads
+        heads, self.head_dim = cfg.num_attention_heads, h // cfg.num_attention_heads
+        q0, self.num_heads, _, _ = head_range(heads, heads, tp)
         scale = self.head_dim**-0.5 if cfg.scale_attn_weights else 1.0
         if cfg.scale_attn_by_inverse_layer_idx:
             scale /= layer_idx + 1
         inner = cfg.n_inner or 4 * h
         self.ln_1 = LayerNorm(h, eps=cfg.layer_norm_epsilon)
-        self.c_attn = nn.Linear(h, 3 * h)
-        self.attn_c_proj = nn.Linear(h, h)
+        self.c_attn = qkv_linear(h, self.head_dim, heads, heads, True, tp)
+        self.attn_c_proj = RowParallelLinear(h, h, (q0 * self.head_dim, self.num_heads * self.head_dim), True, tp)
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, scale)
         self.ln_2 = LayerNorm(h, eps=cfg.layer_norm_epsilon)
-        self.c_fc = nn.Linear(h, inner)
-        self.mlp_c_proj = nn.Linear(inner, h)
+        self.c_fc = ColumnParallelLinear.split(h, [inner], True, tp)
+        self.mlp_c_proj = RowParallelLinear(inner, h, split_range(inner, tp), True, tp)
         self.act = _ACTS[cfg.activation_function]
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -48,18 +51,19 @@ class GPT2Block(nn.Module):
 
 
 class GPT2LMHeadModel(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         if cfg.activation_function not in _ACTS:
             raise ValueError(f"unsupported GPT-2 activation {cfg.activation_function!r}")
         if getattr(cfg, "reorder_and_upcast_attn", False):
             raise ValueError("GPT-2 with reorder_and_upcast_attn is not supported")
         self.cfg = cfg
-        self.num_layers, self.num_kv_heads = cfg.num_hidden_layers, cfg.num_attention_heads
+        self.num_layers, self.total_kv_heads = cfg.num_hidden_layers, cfg.num_attention_heads
+        self.num_kv_heads = head_range(cfg.num_attention_heads, cfg.num_attention_heads, tp)[3]  # this rank's
         self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.h = nn.ModuleList(GPT2Block(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.ln_f = LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon)
 
     def init_buffers(self, max_position: int, device: torch.device) -> None:
@@ -74,11 +78,10 @@ class GPT2LMHeadModel(nn.Module):
         return self.ln_f(x)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.wte.weight)  # GPT-2 always ties the LM head
+        return self.wte.logits(hidden)  # GPT-2 always ties the LM head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loader = WeightLoader(self)
         for name, tensor in weights:
             name = name.removeprefix("transformer.")
             if name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias")):
@@ -87,6 +90,9 @@ class GPT2LMHeadModel(nn.Module):
                 tensor = tensor.t()
             name = name.replace(".attn.c_attn.", ".c_attn.").replace(".attn.c_proj.", ".attn_c_proj.")
             name = name.replace(".mlp.c_fc.", ".c_fc.").replace(".mlp.c_proj.", ".mlp_c_proj.")
-            copy_weight(params, name, tensor)
-            loaded.add(name)
-        check_loaded(params, loaded, {})
+            if ".c_attn." in name:  # Q, K and V stacked in one checkpoint tensor
+                for shard, part in enumerate(tensor.chunk(3, dim=0)):
+                    loader.load(name, part, shard)
+            else:
+                loader.load(name, tensor)
+        loader.finish()

@@ -134,28 +134,3 @@ class PagedAttention(nn.Module):
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def copy_weight(
-    params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, start: int | None = None, size: int | None = None
-) -> None:
-    """Copy a checkpoint tensor into a parameter, or into rows [start, start+size)
-    of a fused one, converting dtype and device."""
-    if name not in params:
-        raise ValueError(f"unexpected checkpoint tensor {name!r}")
-    dst = params[name].data if start is None or size is None else params[name].data.narrow(0, start, size)
-    if dst.shape != tensor.shape:
-        raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}")
-    dst.copy_(tensor)
-
-
-def check_loaded(params: dict[str, nn.Parameter], loaded: set[str], fused_shards: dict[str, int]) -> None:
-    """Every parameter was loaded; a fused one (``.qkv_proj.`` etc., recorded as
-    ``name#shard``) from all of its shards."""
-    expected: set[str] = set()
-    for pname in params:
-        fused = next((f for f in fused_shards if f".{f}." in pname), None)
-        expected |= {f"{pname}#{i}" for i in range(fused_shards[fused])} if fused else {pname}
-    missing = expected - loaded
-    if missing:
-        raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")

@@ -1,7 +1,8 @@
 """Llama-family forward (Llama, Qwen2, Mistral) over a flat token batch.
 
 Q/K/V and gate/up are fused into one matmul each; the split checkpoint
-tensors are copied into their slice of the fused weight at load time.
+tensors are copied into their slice of the fused weight at load time. Under
+tensor parallelism each rank holds its heads and MLP columns (see linear.py).
 """
 from __future__ import annotations
 
@@ -9,17 +10,16 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.gpuworker.layers import (
-    AttentionMetadata,
-    PagedAttention,
-    RMSNorm,
-    RotaryEmbedding,
-    check_loaded,
-    copy_weight,
-    silu_and_mul,
+from pagedserve.gpuworker.distributed import SINGLE, TPGroup, head_range, split_range
+from pagedserve.gpuworker.layers import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
+from pagedserve.gpuworker.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    WeightLoader,
+    qkv_linear,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -34,14 +34,18 @@ def _rope_params(cfg: Any) -> dict[str, Any]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, head_dim: int, qkv_bias: bool, o_bias: bool) -> None:
+    """Column-parallel QKV (this rank's heads), paged attention over this
+    rank's KV heads, row-parallel output projection."""
+
+    def __init__(self, cfg: Any, head_dim: int, qkv_bias: bool, o_bias: bool, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        total_heads = cfg.num_attention_heads
+        total_kv = getattr(cfg, "num_key_value_heads", None) or total_heads
+        q0, self.num_heads, _, self.num_kv_heads = head_range(total_heads, total_kv, tp)
         self.head_dim = head_dim
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.qkv_proj = qkv_linear(cfg.hidden_size, head_dim, total_heads, total_kv, qkv_bias, tp)
+        self.o_proj = RowParallelLinear(total_heads * head_dim, cfg.hidden_size, (q0 * head_dim, self.q_size), o_bias, tp)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
 
     def forward(
@@ -55,20 +59,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear.split(hidden, [intermediate, intermediate], bias, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, split_range(intermediate, tp), bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, head_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool) -> None:
+    def __init__(self, cfg: Any, head_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, head_dim, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias)
+        self.self_attn = LlamaAttention(cfg, head_dim, qkv_bias, o_bias, tp)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -91,34 +95,35 @@ class LlamaForCausalLM(nn.Module):
     """Llama; Qwen2 is this plus Q/K/V bias; Mistral adds a sliding window that
     the runner refuses to exceed (max_model_len <= window)."""
 
-    # (fused param, checkpoint name, shard index)
-    stacked = (
-        ("qkv_proj", "q_proj", 0),
-        ("qkv_proj", "k_proj", 1),
-        ("qkv_proj", "v_proj", 2),
-        ("gate_up_proj", "gate_proj", 0),
-        ("gate_up_proj", "up_proj", 1),
-    )
+    # checkpoint name -> (fused module, shard index)
+    stacked = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
-    def __init__(self, cfg: Any, qkv_bias: bool | None = None) -> None:
+    def __init__(self, cfg: Any, tp: TPGroup = SINGLE, qkv_bias: bool | None = None) -> None:
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} for {type(self).__name__} (only silu)")
         self.cfg = cfg
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.total_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.num_kv_heads = head_range(cfg.num_attention_heads, self.total_kv_heads, tp)[3]  # this rank's
         self.num_layers = cfg.num_hidden_layers
         attn_bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = attn_bias if qkv_bias is None else qkv_bias
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.head_dim, qkv_bias, attn_bias, bool(getattr(cfg, "mlp_bias", False)))
+            LlamaDecoderLayer(cfg, self.head_dim, qkv_bias, attn_bias, bool(getattr(cfg, "mlp_bias", False)), tp)
             for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if self.tie else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if self.tie else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary: RotaryEmbedding | None = None  # built after weights are materialized
 
     def init_buffers(self, max_position: int, device: torch.device) -> None:
@@ -135,38 +140,25 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
-
-    def _fused_slice(self, fused: str, shard: int) -> tuple[int, int]:
-        a = self.layers[0].self_attn
-        if fused == "qkv_proj":
-            return [(0, a.q_size), (a.q_size, a.kv_size), (a.q_size + a.kv_size, a.kv_size)][shard]
-        inter = self.cfg.intermediate_size
-        return (shard * inter, inter)
+        return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loader = WeightLoader(self)
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name or (self.tie and name == "lm_head.weight"):
                 continue
-            for fused, src, shard in self.stacked:
-                if f".{src}." in name:
-                    target = name.replace(f".{src}.", f".{fused}.")
-                    start, size = self._fused_slice(fused, shard)
-                    copy_weight(params, target, tensor, start, size)
-                    loaded.add(f"{target}#{shard}")
-                    break
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in self.stacked:
+                fused, shard = self.stacked[parts[-2]]
+                loader.load(".".join(parts[:-2] + [fused, parts[-1]]), tensor, shard)
             else:
-                copy_weight(params, name, tensor, None, None)
-                loaded.add(name)
-        check_loaded(params, loaded, {f: (3 if f == "qkv_proj" else 2) for f, _, _ in self.stacked})
+                loader.load(name, tensor)
+        loader.finish()
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, tp: TPGroup = SINGLE) -> None:
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError("Qwen2 with use_sliding_window=true is not supported")
-        super().__init__(cfg, qkv_bias=True)
+        super().__init__(cfg, tp, qkv_bias=True)

@@ -5,67 +5,103 @@ State is incremental (vLLM v1 style): a sequence arrives once as ``NewSeq``;
 afterwards the scheduler sends only block-table diffs and how many tokens to
 compute. The runner appends every token it samples, so it always knows the
 whole sequence; it samples only when the scheduled tokens reach its end.
+
+Tensor parallelism: every rank runs a ModelRunner over its shard of the
+model and its own KV pool (its heads only). Rank 0 gets each request from the
+scheduler and broadcasts it (``execute``/``reset``/``shutdown``); the other
+ranks run ``follow``. All ranks build the same batch from the same state, so
+they meet in the same collectives; rank 0 samples and broadcasts the token
+ids so every rank appends the same tokens.
 """
 from __future__ import annotations
 
 import os
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.default_model import resolve_model
 from pagedserve.common.messages.types import ModelInfo, SamplingParams
-from pagedserve.common.messages.worker import ExecuteStep, NewSeq, SampledToken, StepResult, WorkerReady
+from pagedserve.common.messages import worker as wk
+from pagedserve.common.messages.worker import (
+    ExecuteStep,
+    NewSeq,
+    PromptLogprobs,
+    SampledToken,
+    StepResult,
+    WorkerReady,
+)
 from pagedserve.gpuworker.cache_engine import CacheEngine, bytes_per_block
-from pagedserve.gpuworker.layers import AttentionMetadata, PagedAttention
-from pagedserve.kernels import get_attention_backend
+from pagedserve.gpuworker.cuda_graph import DecodeGraphs
+from pagedserve.gpuworker.distributed import SINGLE, TPGroup, rank_device
+from pagedserve.gpuworker.inputs import Batch, PromptLogprobPlan, SeqState, attention_metadata, prepare_batch
+from pagedserve.gpuworker.layers import PagedAttention
 from pagedserve.gpuworker.loader import eos_token_ids, iter_weights, load_hf_config
 from pagedserve.gpuworker.models import build_model
 from pagedserve.gpuworker.sampler import Sampler
+from pagedserve.kernels import get_attention_backend
 
 CPU_DEFAULT_KV_BYTES = 256 << 20
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CUDA_GRAPHS_ENV = "PAGEDSERVE_CUDA_GRAPHS"  # "0" disables decode CUDA graphs
 
 
-@dataclass
-class SeqState:
-    seq_id: int
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    params: SamplingParams
-    num_prompt_tokens: int
+@dataclass(frozen=True)
+class ModelSource:
+    """A model that is not a folder on disk (benchmarks: random weights of a
+    given shape). ``weights`` is called once and yields (name, tensor)."""
+
+    hf_config: Any
+    weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+    name: str
+    eos_token_ids: tuple[int, ...] = ()
 
 
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: list[int]  # index into ``scheduled`` of sequences that sample
-    sample_token_idx: torch.Tensor  # flat-token index of their last token
+def cuda_graphs_wanted(flag: bool | None) -> bool:
+    if flag is not None:
+        return flag
+    return os.environ.get(CUDA_GRAPHS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig) -> None:
-        self.cfg = cfg
-        self.device = torch.device(cfg.device)
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        tp: TPGroup = SINGLE,
+        source: ModelSource | None = None,
+        cuda_graphs: bool | None = None,
+    ) -> None:
+        """``cuda_graphs``: None follows $PAGEDSERVE_CUDA_GRAPHS (default on);
+        graphs are used only on CUDA, with the Triton backend, on one rank."""
+        self.cfg, self.tp, self.source = cfg, tp, source
+        self.device = rank_device(cfg.device, tp.rank)
         self.dtype = _DTYPES[cfg.torch_dtype_name]
+        self.want_graphs = cuda_graphs_wanted(cuda_graphs)
+        self.graphs: DecodeGraphs | None = None
         self.seqs: dict[int, SeqState] = {}
         self.last_logits: dict[int, torch.Tensor] = {}  # seq_id -> float32 [vocab], for tests
         self.ready: WorkerReady | None = None
+        self.profile: dict[str, int] = {}  # CUDA memory profile (bytes), when the pool was sized from it
 
     # ---- start-up -------------------------------------------------------
     def init(self) -> WorkerReady:
         """Load the model, size and allocate the KV pools (idempotent)."""
         if self.ready is not None:
             return self.ready
-        cfg = self.cfg
-        folder = resolve_model(cfg.model)
-        hf = load_hf_config(folder)
+        cfg, tp = self.cfg, self.tp
+        if self.source is not None:
+            hf, weights, name, eos = self.source.hf_config, self.source.weights(), self.source.name, self.source.eos_token_ids
+        else:
+            folder = resolve_model(cfg.model)
+            hf = load_hf_config(folder)
+            weights = iter_weights(folder, progress=tp.is_driver)
+            name = "SmolLM2-135M-Instruct" if cfg.model is None else os.path.basename(os.path.normpath(folder))
+            eos = eos_token_ids(folder, hf)
         self.hf_config = hf
         model_max = int(getattr(hf, "max_position_embeddings", 0) or 0) or 2048
         window = getattr(hf, "sliding_window", None) if getattr(hf, "model_type", "") == "mistral" else None
@@ -75,39 +111,48 @@ class ModelRunner:
             raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's {why}")
         self.max_model_len = cfg.max_model_len or limit
         t0 = time.monotonic()
-        self.model = build_model(hf, iter_weights(folder), self.dtype, self.device, max(model_max, self.max_model_len))
+        self.model = build_model(hf, weights, self.dtype, self.device, max(model_max, self.max_model_len), tp)
         load_s = time.monotonic() - t0
         self.backend = get_attention_backend(cfg.attention_backend, self.device)
         for m in self.model.modules():
             if isinstance(m, PagedAttention):
                 m.backend = self.backend
         self.num_layers = self.model.num_layers
-        self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim
+        self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim  # this rank's heads
         self.vocab_size = hf.vocab_size
-        eos = eos_token_ids(folder, hf)
         self.sampler = Sampler(cfg.seed, eos)  # before sizing: the CUDA profile runs it
         per_block = bytes_per_block(self.num_layers, cfg.block_size, self.num_kv_heads, self.head_dim, self.dtype)
-        num_gpu_blocks = self._num_gpu_blocks(per_block)
+        # Each rank sizes its own pool from its own memory; the block ids are
+        # shared, so the group agrees on the smallest count.
+        num_gpu_blocks = tp.all_reduce_min(self._num_gpu_blocks(per_block))
         num_cpu_blocks = int(cfg.swap_space * (1 << 30)) // per_block
         self.cache = CacheEngine(
             self.num_layers, num_gpu_blocks, num_cpu_blocks, cfg.block_size,
             self.num_kv_heads, self.head_dim, self.dtype, self.device, self.backend,
         )
-        name = "SmolLM2-135M-Instruct" if cfg.model is None else os.path.basename(os.path.normpath(folder))
         info = ModelInfo(
             model_name=name, vocab_size=self.vocab_size, max_model_len=self.max_model_len, eos_token_ids=eos,
-            num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            num_layers=self.num_layers, num_kv_heads=self.model.total_kv_heads, head_dim=self.head_dim,
             dtype=cfg.torch_dtype_name, device=str(self.device),
         )
-        print(
-            f"pagedserve gpuworker: {name} ({type(self.model).__name__}, {cfg.torch_dtype_name}, {self.device}, "
-            f"attention={self.backend.name}) loaded in {load_s:.1f} s; KV pool {num_gpu_blocks} blocks x {cfg.block_size} = "
-            f"{num_gpu_blocks * cfg.block_size} tokens ({num_gpu_blocks * per_block / 2**20:.0f} MiB), "
-            f"swap {num_cpu_blocks} blocks",
-            file=sys.stderr, flush=True,
-        )
+        if tp.is_driver:
+            shard = f", tensor parallel {tp.size} ({self.num_kv_heads} of {self.model.total_kv_heads} KV heads per rank)" if tp.size > 1 else ""
+            print(
+                f"pagedserve gpuworker: {name} ({type(self.model).__name__}, {cfg.torch_dtype_name}, {self.device}, "
+                f"attention={self.backend.name}{shard}) loaded in {load_s:.1f} s; KV pool {num_gpu_blocks} blocks x "
+                f"{cfg.block_size} = {num_gpu_blocks * cfg.block_size} tokens ({num_gpu_blocks * per_block / 2**20:.0f} MiB"
+                f"{' per rank' if tp.size > 1 else ''}), swap {num_cpu_blocks} blocks",
+                file=sys.stderr, flush=True,
+            )
+        if self.device.type == "cuda" and self.want_graphs and self.backend.name == "triton" and tp.size == 1:
+            self.graphs = DecodeGraphs(self._forward, min(cfg.max_num_seqs, num_gpu_blocks), self.max_model_len,
+                                       cfg.block_size, self.device)
+            self.graphs.capture()
         self.ready = WorkerReady(model=info, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, block_size=cfg.block_size)
         return self.ready
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        return self.model(input_ids, positions, self.cache.gpu, meta)
 
     def _num_gpu_blocks(self, per_block: int) -> int:
         cfg = self.cfg
@@ -142,27 +187,60 @@ class ModelRunner:
         )
         lens = [seq_len] * (n_tok // seq_len) + ([n_tok % seq_len] if n_tok % seq_len else [])
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(lens))]
-        meta, positions = _metadata(lens, [0] * len(lens), tables, cfg.block_size, self.device)
+        meta, positions = attention_metadata(lens, [0] * len(lens), tables, cfg.block_size, self.device)
         ids = torch.zeros(n_tok, dtype=torch.long, device=dev)
         hidden = self.model(ids, positions, scratch.gpu, meta)
         logits = self.model.compute_logits(hidden[: min(cfg.max_num_seqs, n_tok)])
         dummy = SeqState(0, [0], [], 0, SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1), 1)
         self.sampler(logits, [dummy] * logits.shape[0])
         torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev)
+        # The scratch pages stand in for part of the pool, so they are not activations.
+        scratch_bytes = sum(t.numel() * t.element_size() for kv in scratch.gpu for t in kv)
+        peak = torch.cuda.max_memory_allocated(dev) - scratch_bytes
         del scratch, hidden, logits
         torch.cuda.empty_cache()
+        self.profile = {"total": total, "peak": peak, "non_torch": non_torch}  # reported by tests and bench
         return max(0, int(total * cfg.gpu_memory_utilization) - peak - non_torch)
 
     # ---- steps ----------------------------------------------------------
     def reset(self) -> None:
+        if self.tp.size > 1 and self.tp.is_driver:
+            self.tp.send_request(wk.ResetWorker())
+        self._reset()
+
+    def _reset(self) -> None:
         self.seqs.clear()
         self.last_logits.clear()
 
-    @torch.inference_mode()
     def execute(self, step: ExecuteStep) -> StepResult:
         if self.ready is None:
             raise RuntimeError("worker not initialised (send InitWorker first)")
+        if self.tp.size > 1 and self.tp.is_driver:
+            self.tp.send_request(step)
+        return self._execute(step)
+
+    def follow(self) -> None:
+        """Ranks > 0: run rank 0's requests until it shuts the group down. A
+        failing step fails identically on rank 0, which reports it."""
+        while True:
+            msg = self.tp.recv_request()
+            if isinstance(msg, wk.Shutdown):
+                break
+            try:
+                if isinstance(msg, wk.ExecuteStep):
+                    self._execute(msg)
+                elif isinstance(msg, wk.ResetWorker):
+                    self._reset()
+            except ValueError:
+                pass  # a rejected step (validation happens before any collective)
+
+    def shutdown(self) -> None:
+        """Rank 0: release the other ranks from ``follow`` (harmless on one rank)."""
+        if self.tp.size > 1 and self.tp.is_driver:
+            self.tp.send_request(wk.Shutdown())
+
+    @torch.inference_mode()
+    def _execute(self, step: ExecuteStep) -> StepResult:
         t0 = time.perf_counter()
         for seq_id in step.finished:
             self.seqs.pop(seq_id, None)
@@ -182,21 +260,51 @@ class ModelRunner:
         if not step.scheduled:
             return StepResult(step.step_id, [], time.perf_counter() - t0)
         scheduled = [(self._seq(s.seq_id), s.num_tokens) for s in step.scheduled]
-        batch = self._prepare(scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.cache.gpu, batch.meta)
+        batch = prepare_batch(scheduled, self.cfg.block_size, self.max_model_len, self.cache.num_gpu_blocks, self.device)
+        if self.graphs is not None and batch.decode_only and len(scheduled) <= self.graphs.max_batch:
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.cache.gpu, batch.meta)
+        prompt_lps = [self._prompt_logprobs(hidden, plan) for plan in batch.prompt_logprobs]
         sampled: list[SampledToken] = []
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.sample_token_idx]).float()
             seqs = [scheduled[r][0] for r in batch.sample_rows]
-            out = self.sampler(logits, seqs)
+            if self.tp.is_driver:
+                out = self.sampler(logits, seqs)
+                token_ids, logprobs, tops = out.token_ids, out.logprobs, out.top_logprobs
+            else:
+                token_ids, logprobs, tops = [0] * len(seqs), [None] * len(seqs), [[] for _ in seqs]
+            if self.tp.size > 1:  # every rank appends rank 0's tokens
+                ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+                token_ids = self.tp.broadcast(ids).tolist()
             for i, seq in enumerate(seqs):
                 self.last_logits[seq.seq_id] = logits[i]
-                sampled.append(SampledToken(seq.seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
+                sampled.append(SampledToken(seq.seq_id, token_ids[i], logprobs[i], tops[i]))
         for seq, n in scheduled:
             seq.num_computed_tokens += n
         for tok in sampled:
             self.seqs[tok.seq_id].token_ids.append(tok.token_id)
-        return StepResult(step.step_id, sampled, time.perf_counter() - t0)
+        return StepResult(step.step_id, sampled, time.perf_counter() - t0, [p for p in prompt_lps if p is not None])
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, plan: PromptLogprobPlan) -> PromptLogprobs | None:
+        """log_softmax of the raw logits at each scored position: the prompt
+        token's logprob and the top-k. Chunked to max_num_seqs rows, the
+        logits size the memory profile accounted for."""
+        entries: list[tuple[float, list[tuple[int, float]]]] = []
+        chunk = max(1, self.cfg.max_num_seqs)
+        k = min(plan.top_k, self.vocab_size)
+        for lo in range(0, len(plan.rows), chunk):
+            rows = torch.tensor(plan.rows[lo : lo + chunk], dtype=torch.long, device=self.device)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+            if not self.tp.is_driver:
+                continue  # the collective is done; only rank 0 reports
+            targets = torch.tensor(plan.targets[lo : lo + chunk], dtype=torch.long, device=self.device)
+            chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+            top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
+            for c, ids, vals in zip(chosen, top_i.tolist(), top_v.tolist()):
+                entries.append((c, list(zip(ids, vals))))
+        return PromptLogprobs(plan.seq_id, plan.start, entries) if self.tp.is_driver else None
 
     def _add(self, new: NewSeq) -> None:
         if not new.token_ids:
@@ -216,56 +324,3 @@ class ModelRunner:
             return self.seqs[seq_id]
         except KeyError:
             raise ValueError(f"unknown seq {seq_id} (never sent as NewSeq, or already finished)") from None
-
-    def _prepare(self, scheduled: list[tuple[SeqState, int]]) -> Batch:
-        bs = self.cfg.block_size
-        input_ids: list[int] = []
-        seq_lens, starts, tables, sample_rows, sample_idx = [], [], [], [], []
-        for row, (seq, n) in enumerate(scheduled):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            if n < 1 or end > len(seq.token_ids):
-                raise ValueError(f"seq {seq.seq_id}: {n} tokens scheduled from {start}, but it has {len(seq.token_ids)}")
-            if end > self.max_model_len:
-                raise ValueError(f"seq {seq.seq_id}: length {end} exceeds max_model_len {self.max_model_len}")
-            if len(seq.block_ids) * bs < end:
-                raise ValueError(f"seq {seq.seq_id}: {len(seq.block_ids)} blocks cannot hold {end} tokens")
-            if any(not 0 <= b < self.cache.num_gpu_blocks for b in seq.block_ids[: (end + bs - 1) // bs]):
-                raise ValueError(f"seq {seq.seq_id}: block id outside the pool of {self.cache.num_gpu_blocks}")
-            input_ids += seq.token_ids[start:end]
-            seq_lens.append(end)
-            starts.append(start)
-            tables.append(seq.block_ids[: (end + bs - 1) // bs])
-            if end == len(seq.token_ids):
-                sample_rows.append(row)
-                sample_idx.append(len(input_ids) - 1)
-        meta, positions = _metadata(seq_lens, starts, tables, bs, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        idx = torch.tensor(sample_idx, dtype=torch.long).to(self.device, non_blocking=True)
-        return Batch(ids, positions, meta, sample_rows, idx)
-
-
-def _metadata(
-    seq_lens: list[int], starts: list[int], tables: list[list[int]], block_size: int, device: torch.device
-) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Positions, slot mapping and padded block tables for a flat batch whose
-    sequence i computes positions [starts[i], seq_lens[i])."""
-    q_lens = [end - start for start, end in zip(starts, seq_lens)]
-    width = max(len(t) for t in tables)
-    table = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-    row = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
-    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
-    qsl[1:] = q_lens_t.cumsum(0)
-    positions = torch.arange(int(qsl[-1])) - qsl[row] + torch.tensor(starts, dtype=torch.int64)[row]
-    slots = table[row, positions // block_size].long() * block_size + positions % block_size
-    meta = AttentionMetadata(
-        slot_mapping=slots.to(device, non_blocking=True),
-        block_tables=table.to(device, non_blocking=True),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-        query_start_loc=qsl.to(torch.int32).to(device, non_blocking=True),
-        max_seq_len=max(seq_lens),
-        max_query_len=max(q_lens),
-    )
-    return meta, positions.to(device, non_blocking=True)

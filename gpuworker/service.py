@@ -4,20 +4,29 @@ Loads the model before binding (the scheduler waits for the InitWorker reply
 with a generous timeout), then answers one request at a time. A failing
 request is answered with WorkerError and the worker keeps serving; SIGTERM or
 SIGINT ends the loop and removes the ipc socket file.
+
+With ``--tensor-parallel-size N`` this process is rank 0: it starts ranks
+1..N-1 itself (the same command plus hidden ``--tp-rank/--tp-port`` flags,
+so launchers and compose need no change), binds the socket, and broadcasts
+each request to them; they die with it (PR_SET_PDEATHSIG) and it stops
+serving if one of them dies.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import signal
+import subprocess
 import sys
 import traceback
 from types import FrameType
 
 import zmq
 
-from pagedserve.common.config import add_address_args, add_engine_args, config_from_args
+from pagedserve.common.config import EngineConfig, add_address_args, add_engine_args, config_from_args
 from pagedserve.common.ipc import RepServer
 from pagedserve.common.messages import worker as wk
+from pagedserve.gpuworker.distributed import create_store, init_group, rank_device
 from pagedserve.gpuworker.model_runner import ModelRunner
 from pagedserve.gpuworker.sim_worker import SimWorker
 
@@ -37,11 +46,11 @@ def handle(runner: "ModelRunner | SimWorker", msg: wk.Request) -> wk.Reply:
         return wk.WorkerError(f"{type(e).__name__}: {e}")
 
 
-def _limit_cpu_threads(device: str) -> None:
+def _limit_cpu_threads(device: str, ranks: int = 1) -> None:
     """On CPU the worker shares the machine with the other three processes;
     intra-op threads that outnumber the free cores spin-wait on each other and
-    make small ops 10x slower, so leave one core free (override with
-    PAGEDSERVE_WORKER_THREADS)."""
+    make small ops 10x slower, so leave one core free, shared among the
+    tensor-parallel ranks (override with PAGEDSERVE_WORKER_THREADS)."""
     import os
 
     import torch
@@ -50,25 +59,84 @@ def _limit_cpu_threads(device: str) -> None:
     if env:
         torch.set_num_threads(int(env))
     elif device == "cpu":
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), ((os.cpu_count() or 2) - 1) // ranks)))
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _start_ranks(cfg: EngineConfig, argv: list[str]) -> tuple[ModelRunner, list[subprocess.Popen[bytes]]]:
+    """Rank 0: open the rendezvous, start ranks 1..N-1, join the group."""
+    n = cfg.tensor_parallel_size
+    store = create_store(n)
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "pagedserve", "gpuworker", *argv, "--tp-rank", str(r),
+                          "--tp-port", str(store.port)], preexec_fn=_die_with_parent)
+        for r in range(1, n)
+    ]
+    try:
+        tp = init_group(0, n, rank_device(cfg.device, 0), store=store)
+    except BaseException:
+        _stop_ranks(procs)
+        raise
+    return ModelRunner(cfg, tp), procs
+
+
+def _stop_ranks(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    for p in procs:
+        try:
+            p.wait(grace_s)  # released by the Shutdown broadcast, or by rank 0's sockets closing
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _follow(cfg: EngineConfig, rank: int, port: int) -> int:
+    """Ranks > 0: no socket; run rank 0's requests until it shuts down.
+    Ctrl-C reaches the whole process group; rank 0 decides when to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tp = init_group(rank, cfg.tensor_parallel_size, rank_device(cfg.device, rank), port=port)
+    runner = ModelRunner(cfg, tp)
+    try:
+        runner.init()
+    except Exception as e:  # noqa: BLE001
+        print(f"pagedserve gpuworker rank {rank}: failed to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
+    runner.follow()
+    tp.destroy()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="pagedserve gpuworker", description="model forward, KV pool and sampling")
     add_engine_args(parser)
     add_address_args(parser)
+    parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set by rank 0 for its ranks
+    parser.add_argument("--tp-port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
-    _limit_cpu_threads(cfg.device)
+    tp_size = 1 if cfg.worker == "sim" else cfg.tensor_parallel_size
+    _limit_cpu_threads(cfg.device, tp_size)
+    if args.tp_rank > 0:
+        return _follow(cfg, args.tp_rank, args.tp_port)
 
-    if cfg.worker == "sim":
-        runner: ModelRunner | SimWorker = SimWorker.from_config(cfg)
-    else:
-        runner = ModelRunner(cfg)
+    ranks: list[subprocess.Popen[bytes]] = []
     try:
+        if cfg.worker == "sim":
+            runner: ModelRunner | SimWorker = SimWorker.from_config(cfg)
+        elif tp_size > 1:
+            runner, ranks = _start_ranks(cfg, argv)
+        else:
+            runner = ModelRunner(cfg)
         runner.init()  # a signal during loading just ends the process: no socket exists yet
     except Exception as e:  # noqa: BLE001
         print(f"pagedserve gpuworker: failed to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        _stop_ranks(ranks, grace_s=5.0)
         return 1
 
     stop = False
@@ -82,9 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     server: RepServer[wk.Request] = RepServer(ctx, args.worker_addr, wk.Request)
     print(f"pagedserve gpuworker: serving on {args.worker_addr}", file=sys.stderr, flush=True)
+    rc = 0
     try:
         while not stop:
-            if not server.poll(100):  # wake up regularly to notice signals
+            if not server.poll(100):  # wake up regularly to notice signals (and lost ranks)
+                if any(p.poll() is not None for p in ranks):
+                    print("pagedserve gpuworker: a tensor-parallel rank exited; stopping", file=sys.stderr, flush=True)
+                    rc = 1
+                    break
                 continue
             try:
                 msg = server.recv()
@@ -97,7 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.close()
         ctx.term()
-    return 0
+        if isinstance(runner, ModelRunner) and rc == 0:
+            try:
+                runner.shutdown()
+                runner.tp.destroy()
+            except Exception as e:  # noqa: BLE001 - a lost rank: it is killed below
+                print(f"pagedserve gpuworker: tensor-parallel shutdown failed: {e}", file=sys.stderr, flush=True)
+        _stop_ranks(ranks, grace_s=10.0 if rc == 0 else 0.1)
+    return rc
 
 
 if __name__ == "__main__":

@@ -1,0 +1,113 @@
+"""Per-sequence state the worker keeps, and turning one step's schedule into
+the flat batch the forward reads (token ids, positions, attention metadata,
+which rows sample, which rows give prompt logprobs)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.common.messages.types import SamplingParams
+from pagedserve.gpuworker.layers import AttentionMetadata
+
+
+@dataclass
+class SeqState:
+    seq_id: int
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+    num_prompt_tokens: int
+
+
+@dataclass
+class PromptLogprobPlan:
+    """Prompt tokens at positions [start, start + len(targets)) are scored by
+    the logits of flat rows ``rows`` (each token's previous position)."""
+
+    seq_id: int
+    start: int
+    rows: list[int]
+    targets: list[int]
+    top_k: int
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]  # index into ``scheduled`` of sequences that sample
+    sample_token_idx: torch.Tensor  # flat-token index of their last token
+    prompt_logprobs: list[PromptLogprobPlan]
+    decode_only: bool  # one token per sequence: a CUDA-graph candidate
+
+
+def prepare_batch(
+    scheduled: list[tuple[SeqState, int]], block_size: int, max_model_len: int, num_blocks: int, device: torch.device
+) -> Batch:
+    """Validate the schedule against each sequence's state and build the batch."""
+    bs = block_size
+    input_ids: list[int] = []
+    seq_lens, starts, tables, sample_rows, sample_idx = [], [], [], [], []
+    plans: list[PromptLogprobPlan] = []
+    for row, (seq, n) in enumerate(scheduled):
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        if n < 1 or end > len(seq.token_ids):
+            raise ValueError(f"seq {seq.seq_id}: {n} tokens scheduled from {start}, but it has {len(seq.token_ids)}")
+        if end > max_model_len:
+            raise ValueError(f"seq {seq.seq_id}: length {end} exceeds max_model_len {max_model_len}")
+        if len(seq.block_ids) * bs < end:
+            raise ValueError(f"seq {seq.seq_id}: {len(seq.block_ids)} blocks cannot hold {end} tokens")
+        if any(not 0 <= b < num_blocks for b in seq.block_ids[: (end + bs - 1) // bs]):
+            raise ValueError(f"seq {seq.seq_id}: block id outside the pool of {num_blocks}")
+        flat0 = len(input_ids)
+        input_ids += seq.token_ids[start:end]
+        seq_lens.append(end)
+        starts.append(start)
+        tables.append(seq.block_ids[: (end + bs - 1) // bs])
+        if end == len(seq.token_ids):
+            sample_rows.append(row)
+            sample_idx.append(len(input_ids) - 1)
+        k = seq.params.prompt_logprobs
+        if k is not None:
+            # Prompt token t (t >= 1) is scored by the logits at t - 1; this step
+            # computes positions [start, end), so it scores t in [start + 1, last].
+            last = min(end, seq.num_prompt_tokens - 1)
+            if last >= start + 1:
+                plans.append(PromptLogprobPlan(
+                    seq.seq_id, start + 1, list(range(flat0, flat0 + last - start)),
+                    seq.token_ids[start + 1 : last + 1], k,
+                ))
+    meta, positions = attention_metadata(seq_lens, starts, tables, bs, device)
+    ids = torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True)
+    idx = torch.tensor(sample_idx, dtype=torch.long).to(device, non_blocking=True)
+    return Batch(ids, positions, meta, sample_rows, idx, plans, decode_only=len(input_ids) == len(scheduled))
+
+
+def attention_metadata(
+    seq_lens: list[int], starts: list[int], tables: list[list[int]], block_size: int, device: torch.device
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Positions, slot mapping and padded block tables for a flat batch whose
+    sequence i computes positions [starts[i], seq_lens[i])."""
+    q_lens = [end - start for start, end in zip(starts, seq_lens)]
+    width = max(len(t) for t in tables)
+    table = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
+    row = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+    qsl[1:] = q_lens_t.cumsum(0)
+    positions = torch.arange(int(qsl[-1])) - qsl[row] + torch.tensor(starts, dtype=torch.int64)[row]
+    slots = table[row, positions // block_size].long() * block_size + positions % block_size
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device, non_blocking=True),
+        block_tables=table.to(device, non_blocking=True),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+        query_start_loc=qsl.to(torch.int32).to(device, non_blocking=True),
+        max_seq_len=max(seq_lens),
+        max_query_len=max(q_lens),
+    )
+    return meta, positions.to(device, non_blocking=True)
