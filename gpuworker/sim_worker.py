@@ -7,11 +7,17 @@ checking it equals the sequence's tokens; so any wrong block table,
 copy-on-write, swap or prefix-cache hit is caught at once. The next token is
 a deterministic function of the context read back.
 
+With a ``CostModel`` each ``StepResult.forward_time_s`` carries the step's
+MODELLED time on the paper's hardware (weights and KV read over HBM
+bandwidth, plus matmul compute, plus a fixed overhead); the worker never
+sleeps, so benchmarks run a simulated clock on it.
+
 Used by scheduler tests and load experiments; anything it produces is
 labelled simulated.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from pagedserve.common.config import EngineConfig
@@ -23,6 +29,72 @@ _EMPTY = -1  # never-written slot; internal to the simulation
 
 class SimulationError(AssertionError):
     pass
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """SIMULATED step time of one forward pass.
+
+        t = overhead + (weight bytes + KV bytes read and written) / (HBM bw * eff)
+            + (2 * params * tokens + attention FLOPs) / (peak FLOP/s * eff)
+            + swap bytes / PCIe bw + copy-on-write bytes * 2 / (HBM bw * eff)
+
+    Memory time and compute time are added, not overlapped (a roofline would
+    take their max): at the paper's batch sizes decode is memory bound and the
+    sum overestimates by at most the compute term, which is small there.
+    """
+
+    name: str
+    num_params: float  # matmul parameters (2 FLOPs per parameter per token)
+    weight_bytes: float  # read once per step
+    kv_bytes_per_token: float  # K and V of one token, all layers
+    num_layers: int
+    hidden_size: int
+    hbm_bytes_per_s: float  # peak
+    hbm_efficiency: float  # achieved share of peak on streaming reads
+    peak_flops: float  # dense fp16 tensor-core peak
+    flops_efficiency: float  # achieved share on large GEMMs
+    pcie_bytes_per_s: float  # effective host<->device, for swaps
+    step_overhead_s: float  # launch + sampling + host work per step
+    kv_slots: int  # the KV pool the paper could fit (Table 1)
+
+    @classmethod
+    def opt13b_a100(cls) -> "CostModel":
+        """OPT-13B in fp16 on one A100-40GB, as in the paper's Table 1:
+        26 GB of weights, 800 KiB of KV per token (2 x 5120 x 40 layers x
+        2 bytes), 12 GiB of KV = 15,728 slots. HBM2e peak 1.555 TB/s at 90 %
+        (1.40 TB/s); 312 TFLOP/s fp16 at 60 %; PCIe 4.0 x16 at 25 GB/s;
+        2 ms fixed per step."""
+        return cls("opt-13b/a100-40gb", num_params=13e9, weight_bytes=26e9, kv_bytes_per_token=2 * 5120 * 40 * 2,
+                   num_layers=40, hidden_size=5120, hbm_bytes_per_s=1.555e12, hbm_efficiency=0.90,
+                   peak_flops=312e12, flops_efficiency=0.60, pcie_bytes_per_s=25e9, step_overhead_s=2e-3,
+                   kv_slots=12 * 2**30 // (800 * 2**10))
+
+    def step_time(self, seqs: list[tuple[int, int]], block_size: int, num_swapped_blocks: int = 0,
+                  num_copied_blocks: int = 0) -> float:
+        """``seqs``: (tokens already in the pool, tokens computed now) per
+        scheduled sequence."""
+        if not seqs and not num_swapped_blocks and not num_copied_blocks:
+            return 0.0  # a step that only drops finished sequences runs nothing
+        hbm = self.hbm_bytes_per_s * self.hbm_efficiency
+        t = self.step_overhead_s
+        t += num_swapped_blocks * block_size * self.kv_bytes_per_token / self.pcie_bytes_per_s
+        t += 2 * num_copied_blocks * block_size * self.kv_bytes_per_token / hbm
+        if not seqs:
+            return t
+        tokens = kv_tokens = 0
+        attn_pairs = 0.0  # (query, key) pairs over all layers' attention
+        for ctx, k in seqs:
+            tokens += k
+            kv_tokens += ctx + 2 * k  # read the context and the new tokens' K/V, write the new ones
+            attn_pairs += k * (ctx + (k + 1) / 2)
+        flops = 2 * self.num_params * tokens + 4 * self.num_layers * self.hidden_size * attn_pairs
+        t += (self.weight_bytes + kv_tokens * self.kv_bytes_per_token) / hbm
+        t += flops / (self.peak_flops * self.flops_efficiency)
+        return t
+
+
+COST_MODELS = {"opt13b-a100": CostModel.opt13b_a100}
 
 
 @dataclass
@@ -45,7 +117,8 @@ def next_token(context: list[int], vocab_size: int, seed: int | None = None) -> 
 
 class SimWorker:
     def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0, vocab_size: int = 1000,
-                 max_model_len: int = 4096, eos_token_ids: tuple[int, ...] = (), validate: bool = True) -> None:
+                 max_model_len: int = 4096, eos_token_ids: tuple[int, ...] = (), validate: bool = True,
+                 cost_model: CostModel | None = None) -> None:
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
@@ -53,6 +126,8 @@ class SimWorker:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.validate = validate
+        self.cost_model = cost_model
+        self.simulated_time_s = 0.0  # sum of modelled step times
         self.gpu = [[_EMPTY] * block_size for _ in range(num_gpu_blocks)]
         self.cpu = [[_EMPTY] * block_size for _ in range(num_cpu_blocks)]
         self.seqs: dict[int, _SeqState] = {}
@@ -60,15 +135,26 @@ class SimWorker:
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> "SimWorker":
-        """The process form (``pagedserve gpuworker --worker sim``). Without
-        --num-gpu-blocks it takes the paper's OPT-13B budget on one A100-40GB:
-        15.7K token slots."""
-        num_blocks = cfg.num_gpu_blocks or 15_700 // cfg.block_size + 1
-        return cls(num_blocks, cfg.block_size, vocab_size=50_272, max_model_len=cfg.max_model_len or 2048,
-                   validate=False)
+        """The process form (``pagedserve gpuworker --worker sim``). Step
+        times come from the OPT-13B / A100-40GB cost model (environment
+        PAGEDSERVE_SIM_COST_MODEL=none for zero step times); without
+        --num-gpu-blocks the pool is the paper's 15.7K token slots (12 GiB at
+        800 KiB per token) plus the null block. --swap-space sizes the CPU
+        pool at 800 KiB per token, as for the model it simulates."""
+        name = os.environ.get("PAGEDSERVE_SIM_COST_MODEL", "opt13b-a100")
+        if name != "none" and name not in COST_MODELS:
+            raise ValueError(f"PAGEDSERVE_SIM_COST_MODEL={name!r}: choose none or one of {sorted(COST_MODELS)}")
+        cost = None if name == "none" else COST_MODELS[name]()
+        paper = CostModel.opt13b_a100()
+        num_blocks = cfg.num_gpu_blocks or paper.kv_slots // cfg.block_size + 1
+        block_bytes = cfg.block_size * paper.kv_bytes_per_token
+        num_cpu_blocks = int(cfg.swap_space * 2**30 // block_bytes)
+        return cls(num_blocks, cfg.block_size, num_cpu_blocks, vocab_size=50_272,
+                   max_model_len=cfg.max_model_len or 2048, validate=False, cost_model=cost)
 
     def init(self) -> wk.WorkerReady:
-        info = ModelInfo("simulated", self.vocab_size, self.max_model_len, self.eos_token_ids, 1, 1, 1,
+        name = f"simulated:{self.cost_model.name}" if self.cost_model else "simulated"
+        info = ModelInfo(name, self.vocab_size, self.max_model_len, self.eos_token_ids, 1, 1, 1,
                          "none", "sim")
         return wk.WorkerReady(info, self.num_gpu_blocks, self.num_cpu_blocks, self.block_size)
 
@@ -96,6 +182,7 @@ class SimWorker:
             del st.block_table[d.table_start:]
             st.block_table += d.block_ids
         bs = self.block_size
+        cost_seqs: list[tuple[int, int]] = []
         # Write every scheduled token's slot first (as a forward pass does per layer) ...
         for sch in step.scheduled:
             st = self.seqs[sch.seq_id]
@@ -106,6 +193,7 @@ class SimWorker:
                 raise SimulationError(f"seq {sch.seq_id}: {end} tokens but {len(st.block_table)} blocks")
             for pos in range(st.num_computed, end):
                 self.gpu[st.block_table[pos // bs]][pos % bs] = st.token_ids[pos]
+            cost_seqs.append((st.num_computed, sch.num_tokens))
         # ... then read each context back through the block table.
         sampled: list[wk.SampledToken] = []
         for sch in step.scheduled:
@@ -123,7 +211,11 @@ class SimWorker:
                 tok = next_token(st.token_ids, self.vocab_size, st.seed)
                 st.token_ids.append(tok)
                 sampled.append(wk.SampledToken(sch.seq_id, tok))
-        return wk.StepResult(step.step_id, sampled)
+        t = 0.0
+        if self.cost_model is not None:
+            t = self.cost_model.step_time(cost_seqs, bs, len(step.swap_in) + len(step.swap_out), len(step.copies))
+            self.simulated_time_s += t
+        return wk.StepResult(step.step_id, sampled, forward_time_s=t)
 
 
 def expected_output(prompt: list[int], max_tokens: int, vocab_size: int, seed: int | None = None,
