@@ -21,6 +21,7 @@ import zmq
 from pagedserve.blockmgr.manager import BlockManager
 from pagedserve.common.config import add_address_args, add_engine_args
 from pagedserve.common.ipc import RepServer
+from pagedserve.common.metrics import add_metrics_arg, serve_blockmgr_metrics
 from pagedserve.common.messages.blockmgr import (
     Ack,
     ErrorReply,
@@ -60,7 +61,7 @@ class _Handler:
         return ErrorReply(f"unexpected message {type(msg).__name__}")
 
 
-def serve(addr: str) -> int:
+def serve(addr: str, metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
     stop = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -71,6 +72,7 @@ def serve(addr: str) -> int:
     ctx = zmq.Context()
     server: RepServer[Request] = RepServer(ctx, addr, Request)
     handler = _Handler()
+    serve_blockmgr_metrics(metrics_port, lambda: handler.mgr, metrics_host)
     log.info("blockmgr listening on %s", addr)
     try:
         while not stop:
@@ -93,10 +95,11 @@ def serve(addr: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedserve blockmgr", description=__doc__.split("\n\n")[0])
     add_address_args(p)
+    add_metrics_arg(p, "blockmgr")
     add_engine_args(p)  # accepted (the launcher hands every child the same flags), unused
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s blockmgr %(levelname)s %(message)s")
-    return serve(args.blockmgr_addr)
+    return serve(args.blockmgr_addr, args.metrics_port, args.metrics_host)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import zmq
 
 from pagedserve.common.config import EngineConfig, add_address_args, add_engine_args, config_from_args
 from pagedserve.common.ipc import RepServer
+from pagedserve.common.metrics import add_metrics_arg, serve_worker_metrics
 from pagedserve.common.messages import worker as wk
 from pagedserve.gpuworker.distributed import create_store, init_group, rank_device
 from pagedserve.gpuworker.model_runner import ModelRunner
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedserve gpuworker", description="model forward, KV pool and sampling")
     add_engine_args(parser)
     add_address_args(parser)
+    add_metrics_arg(parser, "gpuworker")
     parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set by rank 0 for its ranks
     parser.add_argument("--tp-port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    serve_worker_metrics(args.metrics_port, runner, args.metrics_host)
     ctx = zmq.Context()
     server: RepServer[wk.Request] = RepServer(ctx, args.worker_addr, wk.Request)
     print(f"pagedserve gpuworker: serving on {args.worker_addr}", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ from pagedserve.common.config import add_address_args, add_engine_args, addresse
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages import worker as wk
+from pagedserve.common.metrics import add_metrics_arg, serve_scheduler_metrics
 from pagedserve.scheduler.engine import ComponentError, EngineCore, IpcClient
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -26,6 +27,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pagedserve scheduler")
     add_engine_args(p)
     add_address_args(p)
+    add_metrics_arg(p, "scheduler")
     p.add_argument("--init-timeout", type=float, default=1800.0, help="seconds to wait for the worker to load")
     p.add_argument("--step-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
@@ -55,6 +57,7 @@ def main(argv: list[str]) -> int:
             return 1
         log.info("ready: %d GPU blocks of %d tokens, %d CPU blocks", core.ready.num_gpu_blocks,
                  core.ready.block_size, core.ready.num_cpu_blocks)
+        serve_scheduler_metrics(args.metrics_port, core, args.metrics_host)
         while not stop:
             # Block briefly for input only when idle; otherwise drain and step.
             if inbox.poll(0 if core.has_work() else 50):
