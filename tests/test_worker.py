@@ -279,3 +279,53 @@ def test_triton_backend_matches_transformers(ckpt: tuple[str, torch.nn.Module]) 
     d.step({0: 1, 1: 1})
     for i in range(2):
         assert_logits_close(runner.last_logits[i], hf_logits(hf, d.tokens[i][:-1])[-1])
+
+
+def test_prompt_logprobs_and_sampled_logprobs_match_transformers(ckpt: tuple[str, torch.nn.Module]) -> None:
+    """Prompt logprobs across a chunked prefill (and after a prefix-cache
+    start), sampled-token logprobs and their top-k: log_softmax of
+    transformers' logits within 1e-4, same top-k ids."""
+    folder, hf = ckpt
+    runner = make_runner(folder)
+    d = Driver(runner)
+    a, b = prompts(2, [20, 6], seed=12)
+    scored = SamplingParams(temperature=0.0, prompt_logprobs=3, logprobs=4)
+    sampled = SamplingParams(temperature=1.2, seed=3, logprobs=2, prompt_logprobs=0)
+    results = [d.step({0: 7, 1: 6}, new={0: (a, scored), 1: (b, sampled)})]
+    results.append(d.step({0: 13, 1: 1}))
+    for _ in range(2):
+        results.append(d.step({0: 1, 1: 1}))
+    ref = {i: torch.log_softmax(hf_logits(hf, d.tokens[i]), dim=-1) for i in (0, 1)}
+
+    def check_top(got: list[tuple[int, float]], lp: torch.Tensor, k: int) -> None:
+        v, i = lp.topk(k)
+        assert [t for t, _ in got] == i.tolist()
+        assert all(abs(x - y) < 1e-4 for (_, x), y in zip(got, v.tolist()))
+
+    for seq_id, k, n_prompt in ((0, 3, 20), (1, 0, 6)):
+        entries = [(p.start + j, e) for r in results for p in r.prompt_logprobs if p.seq_id == seq_id
+                   for j, e in enumerate(p.entries)]
+        assert [pos for pos, _ in entries] == list(range(1, n_prompt))  # every prompt token but the first, once
+        for pos, (logprob, top) in entries:
+            lp = ref[seq_id][pos - 1]
+            assert abs(logprob - float(lp[d.tokens[seq_id][pos]])) < 1e-4
+            assert len(top) == k
+            check_top(top, lp, k)
+        outs = [t for r in results for t in r.sampled if t.seq_id == seq_id]
+        assert len(outs) == len(d.tokens[seq_id]) - n_prompt
+        for j, t in enumerate(outs):  # output token j sits at position n_prompt + j
+            lp = ref[seq_id][n_prompt + j - 1]
+            assert abs(t.logprob - float(lp[t.token_id])) < 1e-4  # raw-logit logprob, whatever the temperature
+            check_top(t.top_logprobs, lp, 4 if seq_id == 0 else 2)
+    # A prefix-cache start scores only the positions it computes.
+    runner.reset()
+    d = Driver(runner)
+    d.step({0: 16}, new={0: (a[:16], GREEDY)})
+    shared = d.blocks[0][:2]
+    d.step_id += 1
+    res = runner.execute(ExecuteStep(d.step_id, [NewSeq(1, a, shared + [d.free.pop()], 16, scored, 20)], [],
+                                     [ScheduledSeq(1, 4)], []))
+    (p,) = res.prompt_logprobs
+    assert p.start == 17 and len(p.entries) == 3
+    for j, (logprob, _) in enumerate(p.entries):
+        assert abs(logprob - float(ref[0][16 + j][a[17 + j]])) < 1e-4
