@@ -87,3 +87,19 @@ def test_from_config_process_form(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDSERVE_SIM_COST_MODEL", "h100")
     with pytest.raises(ValueError, match="PAGEDSERVE_SIM_COST_MODEL"):
         SimWorker.from_config(EngineConfig(worker="sim"))
+
+
+def test_slot_pool_catches_a_shared_block_and_follows_swaps() -> None:
+    params = SamplingParams(max_tokens=4)
+    w = SimWorker(8, 4, num_cpu_blocks=4)
+    # Two sequences wrongly given the same block: the second write clobbers the first.
+    w.execute(_step(0, [wk.NewSeq(1, [1, 2, 3], [1], 0, params, 3)], [(1, 3)]))
+    with pytest.raises(Exception, match="reads token"):
+        w.execute(_step(1, [wk.NewSeq(2, [4, 5, 6], [1], 0, params, 3)], [(2, 3), (1, 1)]))
+    # A swap out and back in to another block keeps the content readable.
+    w = SimWorker(8, 4, num_cpu_blocks=4)
+    w.execute(_step(0, [wk.NewSeq(1, [1, 2, 3], [1], 0, params, 3)], [(1, 3)]))
+    w.execute(wk.ExecuteStep(1, [], [], [], [], swap_out=[(1, 2)]))
+    w.execute(wk.ExecuteStep(2, [], [wk.BlockDiff(1, 0, [5])], [], [], swap_in=[(2, 5)]))
+    w.gpu[1 * 4:2 * 4] = w.gpu[0:4]  # the old block is reused by someone else
+    assert w.execute(_step(3, [], [(1, 1)])).sampled  # reads back through block 5
