@@ -52,6 +52,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0
 
     @property
     def max_batch(self) -> int:
@@ -98,4 +99,5 @@ class DecodeGraphs:
             self.seq_lens[n:size].fill_(1)
         graph, out = self.graphs[size]
         graph.replay()
+        self.replays += 1
         return out[:n]

@@ -329,3 +329,15 @@ def test_prompt_logprobs_and_sampled_logprobs_match_transformers(ckpt: tuple[str
     assert p.start == 17 and len(p.entries) == 3
     for j, (logprob, _) in enumerate(p.entries):
         assert abs(logprob - float(ref[0][16 + j][a[17 + j]])) < 1e-4
+
+
+def test_cuda_graphs_fall_back_to_eager_on_cpu(ckpt: tuple[str, torch.nn.Module]) -> None:
+    folder, hf = ckpt
+    runner = ModelRunner(EngineConfig(model=folder, device="cpu", dtype="float32", block_size=BS, num_gpu_blocks=16),
+                         cuda_graphs=True)
+    runner.init()
+    assert runner.graphs is None
+    d = Driver(runner)
+    d.step({0: 4}, new={0: ([5, 6, 7, 8], GREEDY)})
+    d.step({0: 1})
+    assert_logits_close(runner.last_logits[0], hf_logits(hf, d.tokens[0][:-1])[-1])
