@@ -341,3 +341,26 @@ def test_cuda_graphs_fall_back_to_eager_on_cpu(ckpt: tuple[str, torch.nn.Module]
     d.step({0: 4}, new={0: ([5, 6, 7, 8], GREEDY)})
     d.step({0: 1})
     assert_logits_close(runner.last_logits[0], hf_logits(hf, d.tokens[0][:-1])[-1])
+
+
+def test_padded_decode_buffers_match_the_plain_forward(ckpt: tuple[str, torch.nn.Module]) -> None:
+    """What a CUDA graph replays, run eagerly on CPU with the Triton kernels
+    (interpreted): static buffers, padding rows (slot -1, length 1) and the
+    attention bound fixed at max_model_len (split-KV with empty partitions)."""
+    from pagedserve.gpuworker.cuda_graph import DecodeGraphs
+
+    folder, _ = ckpt
+    padded = make_runner(folder, attention_backend="triton", num_gpu_blocks=24)
+    plain = make_runner(folder, attention_backend="triton", num_gpu_blocks=24)
+    padded.graphs = DecodeGraphs(padded._forward, 4, padded.max_model_len, BS, padded.device, use_graphs=False)
+    assert padded.graphs.sizes == [1, 2, 4]
+    drivers = [Driver(padded), Driver(plain)]
+    ps = prompts(3, [13, 4, 7], seed=14)
+    for d in drivers:
+        d.step({i: len(p) for i, p in enumerate(ps)}, new={i: (p, GREEDY) for i, p in enumerate(ps)})
+    for schedule in ({0: 1, 1: 1, 2: 1}, {0: 1, 2: 1}, {2: 1}):  # padded to 4, then 2, then 1
+        for d in drivers:
+            d.step(schedule)
+        for s in schedule:
+            assert_logits_close(padded.last_logits[s], plain.last_logits[s])
+    assert padded.graphs.replays == 3 and drivers[0].tokens == drivers[1].tokens
