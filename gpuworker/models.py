@@ -50,7 +50,7 @@ def build_model(
     cls = model_class(hf_config)
     with torch.device("meta"):
         model = cls(hf_config, tp)  # type: ignore[call-arg]
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # cast on meta: no full-precision copy on the device
     model.load_weights(weights)  # type: ignore[operator]
     model.init_buffers(max_position, device)  # type: ignore[operator]
     return model.eval().requires_grad_(False)
