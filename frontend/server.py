@@ -156,7 +156,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                              block_size=info.block_size, num_preemptions=s.num_preemptions,
                              max_queued_requests=cfg.max_queued_requests, max_n=cfg.max_n,
                              max_beam_width=cfg.max_beam_width, num_requests_in_flight=self.svc.engine.num_streams,
-                             auth_enabled=cfg.auth_enabled, tls_enabled=cfg.tls_enabled)
+                             auth_enabled=cfg.auth_enabled, tls_enabled=cfg.tls_enabled,
+                             num_queued_requests=self.svc.num_queued)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         await self._require_ready(context)

@@ -1,0 +1,254 @@
+"""``pagedserve bench serving``: a load generator against a running server.
+
+Requests arrive as a Poisson process (``--rate`` req/s; ``inf`` sends all at
+once) with ShareGPT-like or Alpaca-like prompt/output lengths
+(``bench.workloads``), scaled down with ``--max-total-len`` for small models;
+prompts are random token ids, every request generates exactly its sampled
+output length (``ignore_eos``). Over gRPC (``--addr``) or the OpenAI HTTP
+gateway (``--http``). ``--launch "ARGS"`` starts ``pagedserve serve ARGS``
+itself on a free port (e.g. ``--launch "--worker sim"``: the frontend and
+scheduler under load with the SIMULATED worker behind them).
+
+Reports request and token throughput, TTFT / ITL / TPOT / end-to-end
+percentiles, goodput (completed requests per second that met the SLO:
+TTFT <= --slo-ttft-ms and mean TPOT <= --slo-tpot-ms), refusals
+(RESOURCE_EXHAUSTED / 429) and failures, and the achieved request rate as a
+ratio of the offered one. The last line is one JSON object
+(``{"bench": "serving", ...}``); numbers from a server whose worker is
+simulated carry ``"simulated": true`` and say so in the text.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pagedserve.bench.workloads import machine_info, poisson_arrivals, sample_lengths, synthetic_prompt
+
+
+@dataclass
+class Record:
+    prompt_len: int
+    output_len: int
+    sent: float = 0.0
+    first: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    done: float | None = None
+    tokens: int = 0
+    outcome: str = "pending"  # ok | rejected | failed
+
+
+def plan(workload: str, n: int, seed: int, max_total: int, vocab: int) -> list[tuple[list[int], int]]:
+    """Prompt ids and output lengths, scaled so prompt + output <= max_total."""
+    out = []
+    for i, r in enumerate(sample_lengths(workload, n, seed)):
+        scale = min(1.0, max_total / r.total)
+        p = max(1, int(r.prompt_len * scale))
+        o = max(1, min(int(r.output_len * scale), max_total - p))
+        out.append((synthetic_prompt(p, seed * 1_000_003 + i, vocab), o))
+    return out
+
+
+async def _grpc_one(stub: Any, pb: Any, md: Any, ids: list[int], out_len: int, rec: Record) -> None:
+    import grpc
+
+    req = pb.GenerateRequest(sampling_params=pb.SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
+    req.prompt_token_ids.ids.extend(ids)
+    rec.sent = time.perf_counter()
+    try:
+        async for resp in stub.Generate(req, metadata=md):
+            k = sum(len(o.token_ids) for o in resp.outputs)
+            if k:
+                now = time.perf_counter()
+                rec.first = rec.first or now
+                rec.chunk_times.append(now)
+                rec.tokens += k
+        rec.done, rec.outcome = time.perf_counter(), "ok"
+    except grpc.aio.AioRpcError as e:
+        rec.outcome = "rejected" if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else "failed"
+
+
+async def _http_one(session: Any, url: str, headers: dict[str, str], model: str, ids: list[int], out_len: int,
+                    rec: Record) -> None:
+    body = {"model": model, "prompt": ids, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    rec.sent = time.perf_counter()
+    try:
+        async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+            if r.status != 200:
+                rec.outcome = "rejected" if r.status == 429 else "failed"
+                return
+            async for line in r.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                payload = json.loads(line[6:])
+                if payload.get("choices"):
+                    now = time.perf_counter()
+                    rec.first = rec.first or now
+                    rec.chunk_times.append(now)
+                    rec.tokens += 1  # SSE events, not tokens; throughput uses the requested lengths
+        rec.done, rec.outcome = time.perf_counter(), "ok"
+    except Exception:  # noqa: BLE001 - any transport failure counts as failed
+        rec.outcome = "failed"
+
+
+async def run_load(args: argparse.Namespace, work: list[tuple[list[int], int]], arrivals: list[float],
+                   model: str) -> tuple[list[Record], float]:
+    recs = [Record(len(ids), o) for ids, o in work]
+    t0 = time.perf_counter()
+    if args.http:
+        import aiohttp
+
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            tasks = []
+            for (ids, o), at, rec in zip(work, arrivals, recs):
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+                tasks.append(asyncio.create_task(_http_one(session, args.http, headers, model, ids, o, rec)))
+            await asyncio.gather(*tasks)
+    else:
+        import grpc
+
+        from pagedserve.v1 import generation_pb2 as pb
+        from pagedserve.v1 import generation_pb2_grpc as pb_grpc
+
+        md = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else None
+        async with grpc.aio.insecure_channel(args.addr) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            tasks = []
+            for (ids, o), at, rec in zip(work, arrivals, recs):
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+                tasks.append(asyncio.create_task(_grpc_one(stub, pb, md, ids, o, rec)))
+            await asyncio.gather(*tasks)
+    return recs, time.perf_counter() - t0
+
+
+def _pct(xs: list[float]) -> dict[str, float | None]:
+    if not xs:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(xs) * 1000.0
+    return {"mean": round(float(a.mean()), 3), "p50": round(float(np.percentile(a, 50)), 3),
+            "p90": round(float(np.percentile(a, 90)), 3), "p99": round(float(np.percentile(a, 99)), 3)}
+
+
+def summarize(recs: list[Record], duration: float, args: argparse.Namespace, simulated: bool) -> dict[str, Any]:
+    ok = [r for r in recs if r.outcome == "ok"]
+    ttft = [r.first - r.sent for r in ok if r.first is not None]
+    itl = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    tpot = [(r.done - r.first) / (r.output_len - 1) for r in ok
+            if r.first is not None and r.done is not None and r.output_len > 1]
+    e2e = [r.done - r.sent for r in ok if r.done is not None]
+    good = [r for r in ok if r.first is not None and (r.first - r.sent) * 1000 <= args.slo_ttft_ms and
+            (r.output_len <= 1 or (r.done - r.first) / (r.output_len - 1) * 1000 <= args.slo_tpot_ms)]  # type: ignore[operator]
+    out_tokens = sum(r.output_len for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    offered = len(recs) / args.offered_span if args.offered_span else None
+    return {
+        "bench": "serving", "protocol": "http" if args.http else "grpc", "workload": args.workload,
+        "simulated": simulated, "num_requests": len(recs), "completed": len(ok),
+        "rejected": sum(r.outcome == "rejected" for r in recs), "failed": sum(r.outcome == "failed" for r in recs),
+        "rate": None if math.isinf(args.rate) else args.rate, "duration_s": round(duration, 3),
+        "request_throughput": round(len(ok) / duration, 3),
+        "achieved_over_offered": round((len(ok) / duration) / offered, 3) if offered else None,
+        "output_token_throughput": round(out_tokens / duration, 2),
+        "total_token_throughput": round((in_tokens + out_tokens) / duration, 2),
+        "ttft_ms": _pct(ttft), "itl_ms": _pct(itl), "tpot_ms": _pct(tpot), "e2e_ms": _pct(e2e),
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "goodput_rps": round(len(good) / duration, 3), "slo_attainment": round(len(good) / max(1, len(recs)), 3),
+        "machine": machine_info(),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(extra: str) -> tuple[subprocess.Popen[str], str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *extra.split()],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stderr.write(line)
+        if re.search(r"serving .* on (\S+)", line):
+            # Keep draining its output, or the server blocks on a full pipe.
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+            return proc, f"127.0.0.1:{port}"
+    raise RuntimeError("pagedserve serve did not start")
+
+
+def _model_info(args: argparse.Namespace) -> Any:
+    import grpc
+
+    from pagedserve.client import GenerationClient
+
+    with GenerationClient(args.addr, api_key=args.api_key) as c:
+        try:
+            return c.model_info()
+        except grpc.RpcError as e:
+            raise SystemExit(f"cannot reach {args.addr}: {e.code().name}: {e.details()}") from None
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="pagedserve bench serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--addr", default="127.0.0.1:50051", help="gRPC address (also used for model info)")
+    p.add_argument("--http", default=None, help="base URL of the HTTP gateway: load it instead of gRPC")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
+    p.add_argument("--launch", default=None, metavar="ARGS", help="start `pagedserve serve ARGS` for the run")
+    p.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca"])
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-total-len", type=int, default=None,
+                   help="scale each request so prompt + output fit (default: the model's max_model_len)")
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    args = p.parse_args(argv)
+    proc = None
+    if args.launch is not None:
+        proc, args.addr = _launch(args.launch)
+    try:
+        info = _model_info(args)
+        simulated = info.model_name.startswith("simulated")
+        max_total = min(args.max_total_len or info.max_model_len, info.max_model_len - 1)
+        work = plan(args.workload, args.num_requests, args.seed, max_total, info.vocab_size)
+        arrivals = [0.0] * len(work) if math.isinf(args.rate) else poisson_arrivals(len(work), args.rate, args.seed)
+        args.offered_span = arrivals[-1] if arrivals and arrivals[-1] > 0 else None
+        recs, duration = asyncio.run(run_load(args, work, arrivals, info.model_name))
+        res = summarize(recs, duration, args, simulated)
+        label = " (SIMULATED worker)" if simulated else ""
+        print(f"pagedserve bench serving{label}: {res['protocol']}, {args.workload}-like, "
+              f"{res['num_requests']} requests at {args.rate} req/s on {res['machine']}")
+        print(f"  completed {res['completed']}, rejected {res['rejected']}, failed {res['failed']} "
+              f"in {res['duration_s']} s")
+        print(f"  throughput {res['request_throughput']} req/s, {res['output_token_throughput']} output tok/s "
+              f"(achieved/offered rate {res['achieved_over_offered']})")
+        for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+            print(f"  {k:8s} " + ", ".join(f"{q} {v}" for q, v in res[k].items()))
+        print(f"  goodput {res['goodput_rps']} req/s under TTFT <= {args.slo_ttft_ms} ms, "
+              f"TPOT <= {args.slo_tpot_ms} ms ({res['slo_attainment']:.0%} of requests)")
+        print(json.dumps(res))
+        return 0 if res["failed"] == 0 else 1
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
