@@ -265,46 +265,64 @@ class ModelRunner:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.cache.gpu, batch.meta)
-        prompt_lps = [self._prompt_logprobs(hidden, plan) for plan in batch.prompt_logprobs]
-        sampled: list[SampledToken] = []
-        if batch.sample_rows:
+        # Collectives in the same order on every rank; what only rank 0 does
+        # (scoring, sampling) is guarded, and its outcome travels with the
+        # token ids, so a failure fails the step on every rank at one point.
+        error: Exception | None = None
+        prompt_lps: list[PromptLogprobs] = []
+        for plan in batch.prompt_logprobs:
+            entries = self._prompt_logprobs(hidden, plan)
+            if entries is not None:
+                prompt_lps.append(PromptLogprobs(plan.seq_id, plan.start, entries))
+        seqs = [scheduled[r][0] for r in batch.sample_rows]
+        token_ids: list[int] = [0] * len(seqs)
+        logprobs: list[float | None] = [None] * len(seqs)
+        tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
+        logits = None
+        if seqs:
             logits = self.model.compute_logits(hidden[batch.sample_token_idx]).float()
-            seqs = [scheduled[r][0] for r in batch.sample_rows]
             if self.tp.is_driver:
-                out = self.sampler(logits, seqs)
-                token_ids, logprobs, tops = out.token_ids, out.logprobs, out.top_logprobs
-            else:
-                token_ids, logprobs, tops = [0] * len(seqs), [None] * len(seqs), [[] for _ in seqs]
-            if self.tp.size > 1:  # every rank appends rank 0's tokens
-                ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-                token_ids = self.tp.broadcast(ids).tolist()
-            for i, seq in enumerate(seqs):
-                self.last_logits[seq.seq_id] = logits[i]
-                sampled.append(SampledToken(seq.seq_id, token_ids[i], logprobs[i], tops[i]))
+                try:
+                    out = self.sampler(logits, seqs)
+                    token_ids, logprobs, tops = out.token_ids, out.logprobs, out.top_logprobs
+                except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
+                    error = e
+        if self.tp.size > 1:  # every rank appends rank 0's tokens, or fails with it
+            status = torch.tensor([int(error is not None), *token_ids], dtype=torch.int64, device=self.device)
+            failed, *token_ids = self.tp.broadcast(status).tolist()
+            if failed and error is None:
+                raise ValueError(f"step {step.step_id} failed on rank 0")
+        if error is not None:
+            raise error
+        sampled = [SampledToken(seq.seq_id, token_ids[i], logprobs[i], tops[i]) for i, seq in enumerate(seqs)]
+        if logits is not None:
+            self.last_logits = {seq.seq_id: logits[i] for i, seq in enumerate(seqs)}
         for seq, n in scheduled:
             seq.num_computed_tokens += n
         for tok in sampled:
             self.seqs[tok.seq_id].token_ids.append(tok.token_id)
-        return StepResult(step.step_id, sampled, time.perf_counter() - t0, [p for p in prompt_lps if p is not None])
+        return StepResult(step.step_id, sampled, time.perf_counter() - t0, prompt_lps)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, plan: PromptLogprobPlan) -> PromptLogprobs | None:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, plan: PromptLogprobPlan
+    ) -> list[tuple[float, list[tuple[int, float]]]] | None:
         """log_softmax of the raw logits at each scored position: the prompt
-        token's logprob and the top-k. Chunked to max_num_seqs rows, the
-        logits size the memory profile accounted for."""
+        token's logprob and the top-k (rank 0; None elsewhere). Chunked to
+        max_num_seqs rows, the logits size the memory profile accounted for."""
         entries: list[tuple[float, list[tuple[int, float]]]] = []
         chunk = max(1, self.cfg.max_num_seqs)
         k = min(plan.top_k, self.vocab_size)
         for lo in range(0, len(plan.rows), chunk):
             rows = torch.tensor(plan.rows[lo : lo + chunk], dtype=torch.long, device=self.device)
-            lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)  # collective
             if not self.tp.is_driver:
-                continue  # the collective is done; only rank 0 reports
+                continue
             targets = torch.tensor(plan.targets[lo : lo + chunk], dtype=torch.long, device=self.device)
             chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
             top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
             for c, ids, vals in zip(chosen, top_i.tolist(), top_v.tolist()):
                 entries.append((c, list(zip(ids, vals))))
-        return PromptLogprobs(plan.seq_id, plan.start, entries) if self.tp.is_driver else None
+        return entries if self.tp.is_driver else None
 
     def _add(self, new: NewSeq) -> None:
         if not new.token_ids:
