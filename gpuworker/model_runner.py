@@ -87,6 +87,7 @@ class ModelRunner:
         self.last_logits: dict[int, torch.Tensor] = {}  # seq_id -> float32 [vocab], for tests
         self.ready: WorkerReady | None = None
         self.profile: dict[str, int] = {}  # CUDA memory profile (bytes), when the pool was sized from it
+        self.tokens_computed = 0  # cumulative, read by the --metrics-port hook
 
     # ---- start-up -------------------------------------------------------
     def init(self) -> WorkerReady:
@@ -299,6 +300,7 @@ class ModelRunner:
             self.last_logits = {seq.seq_id: logits[i] for i, seq in enumerate(seqs)}
         for seq, n in scheduled:
             seq.num_computed_tokens += n
+        self.tokens_computed += len(batch.input_ids)
         for tok in sampled:
             self.seqs[tok.seq_id].token_ids.append(tok.token_id)
         return StepResult(step.step_id, sampled, time.perf_counter() - t0, prompt_lps)
