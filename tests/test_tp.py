@@ -111,7 +111,13 @@ def tp2_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(2)
     ]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     del store
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log
