@@ -3,6 +3,7 @@ from the paper's constants, its shape (what makes a step slower), and that
 the worker reports it per step without sleeping."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -36,6 +37,9 @@ def test_step_time_matches_hand_computation() -> None:
     extra = c.step_time([(100, 1)], 16, num_swapped_blocks=3, num_copied_blocks=2) - c.step_time([(100, 1)], 16)
     assert extra == pytest.approx(3 * 16 * KV / 25e9 + 2 * 2 * 16 * KV / HBM, rel=1e-9)
     assert c.step_time([], 16) == 0.0  # a step that only drops state runs no forward
+    # A slower attention kernel (the paper's paged kernel: +20-26 %) scales only the KV reads.
+    slow = dataclasses.replace(c, attention_kv_factor=1.25)
+    assert slow.step_time([(100, 1)], 16) - c.step_time([(100, 1)], 16) == pytest.approx(0.25 * 101 * KV / HBM)
 
 
 def test_step_time_shape() -> None:
