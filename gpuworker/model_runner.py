@@ -39,7 +39,7 @@ from pagedserve.common.messages.worker import (
 from pagedserve.gpuworker.cache_engine import CacheEngine, bytes_per_block
 from pagedserve.gpuworker.cuda_graph import DecodeGraphs
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, rank_device
-from pagedserve.gpuworker.inputs import Batch, PromptLogprobPlan, SeqState, attention_metadata, prepare_batch
+from pagedserve.gpuworker.inputs import PromptLogprobPlan, SeqState, attention_metadata, prepare_batch
 from pagedserve.gpuworker.layers import PagedAttention
 from pagedserve.gpuworker.loader import eos_token_ids, iter_weights, load_hf_config
 from pagedserve.gpuworker.models import build_model
