@@ -6,8 +6,8 @@ TP 1 in-process and compares: greedy and seeded tokens identical, logits,
 logprobs and prompt logprobs within 1e-4, and each rank's KV pool holding
 exactly its slice of the TP-1 pool's heads. Families: Llama (GQA, uneven MLP
 split, odd vocabulary), GPT-2 (stacked c_attn, biases after the all-reduce,
-tied vocab-parallel head) and Qwen2 with 2 query heads per rank over one
-replicated KV head. Then the real ``pagedserve gpuworker -tp 2`` process.
+tied vocab-parallel head), OPT (project_in/out) and Qwen2 with 2 query heads
+per rank over one replicated KV head. Then the real ``pagedserve gpuworker -tp 2`` process.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from pagedserve.gpuworker.model_runner import ModelRunner  # noqa: E402
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),  # 6 q heads / 2 kv heads, intermediate 97, vocab 509
     "gpt2": ("gpt2", {}),  # 4 heads, biases everywhere
+    "opt": ("opt", {}),  # 6 heads, ffn 91, project_in/out (replicated) around a 40-wide vocab-parallel embedding
     "qwen2-rep": ("qwen2", {"num_attention_heads": 4, "num_key_value_heads": 1, "hidden_size": 48}),
 }
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, logprobs=3)
