@@ -43,7 +43,7 @@ finally:
     proc.send_signal(signal.SIGINT); proc.wait(30)
 print("E2E_CUDA", "PASS" if ok else "FAIL")
 PYEOF
-} 2>&1 | tee "$OUT/e2e_cuda.log"
+} 2>&1 | tee -a "$OUT/e2e_cuda.log"
 
 {
 python3 - <<'PYEOF'
@@ -58,8 +58,8 @@ print(d)
 with open("/tmp/smol-shape-dir", "w") as f:
     f.write(d)
 PYEOF
-for n in 64 256; do
+for n in 128; do
   python3 -m pagedserve bench throughput --model "$(cat /tmp/smol-shape-dir)" --device cuda \
      --num-requests $n --max-tokens 128
 done
-} 2>&1 | tee "$OUT/bench_throughput_cuda.log"
+} 2>&1 | tee -a "$OUT/e2e_cuda.log"
