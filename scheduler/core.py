@@ -426,8 +426,12 @@ class Scheduler:
         for seq, k in plan.scheduled.values():
             seq.num_computed_tokens += k
         for pl in result.prompt_logprobs:
-            if (group := self._seq_group.get(pl.seq_id)) is not None:
-                group.prompt_logprobs += pl.entries
+            group = self._seq_group.get(pl.seq_id)
+            if group is None or group.prompt_logprobs_sent:
+                continue
+            # Entries start at position 1; a recompute after preemption sends known ones again.
+            have = 1 + len(group.prompt_logprobs)
+            group.prompt_logprobs += pl.entries[max(0, have - pl.start):]
         beam_groups: list[SequenceGroup] = []
         for st in result.sampled:
             group = self._seq_group.get(st.seq_id)
