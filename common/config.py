@@ -64,6 +64,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     worker: str = "model"  # model | sim (SIMULATED: no model, cost-model step times)
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # no CUDA graphs
     seed: int = 0
     # frontend bounds
     max_prompt_chars: int = 1_000_000
@@ -112,6 +113,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap", "auto"])
     p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--enforce-eager", action="store_true", default=None, help="never capture CUDA graphs")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
     p.add_argument("--worker", default=d.worker, choices=["model", "sim"],
                    help="sim: a SIMULATED worker (no model; step times from a cost model)")
@@ -144,6 +146,10 @@ def engine_argv(cfg: EngineConfig) -> list[str]:
         if f.name == "enable_prefix_caching":
             if not v:
                 out.append("--no-prefix-caching")
+            continue
+        if f.name == "enforce_eager":
+            if v:
+                out.append("--enforce-eager")
             continue
         out += ["--" + f.name.replace("_", "-"), str(v)]
     return out

@@ -81,7 +81,7 @@ class ModelRunner:
         self.cfg, self.tp, self.source = cfg, tp, source
         self.device = rank_device(cfg.device, tp.rank)
         self.dtype = _DTYPES[cfg.torch_dtype_name]
-        self.want_graphs = cuda_graphs_wanted(cuda_graphs)
+        self.want_graphs = cuda_graphs_wanted(cuda_graphs) and not cfg.enforce_eager
         self.graphs: DecodeGraphs | None = None
         self.seqs: dict[int, SeqState] = {}
         self.last_logits: dict[int, torch.Tensor] = {}  # seq_id -> float32 [vocab], for tests

@@ -1,0 +1,40 @@
+"""The frozen EngineConfig: flags round-trip to child processes, bad values are refused."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from pagedserve.common.config import EngineConfig, add_engine_args, config_from_args, engine_argv, parse_size
+
+
+def parse(argv: list[str]) -> EngineConfig:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return config_from_args(p.parse_args(argv))
+
+
+@pytest.mark.parametrize("argv", [[], ["--kv-cache-memory", "64MiB", "--no-prefix-caching", "--enforce-eager"],
+                                  ["--num-gpu-blocks", "100", "--block-size", "32", "-tp", "2", "--worker", "sim",
+                                   "--preemption-mode", "swap", "--swap-space", "0.5", "--dtype", "float16"]])
+def test_engine_argv_rebuilds_the_same_config(argv: list[str]) -> None:
+    cfg = parse(argv)
+    assert parse(engine_argv(cfg)) == cfg
+
+
+def test_config_is_frozen_and_validated() -> None:
+    cfg = EngineConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_size = 32  # type: ignore[misc]
+    for bad in ({"block_size": 12}, {"device": "tpu"}, {"preemption_mode": "x"}, {"max_num_seqs": 0},
+                {"tensor_parallel_size": 0}, {"worker": "other"}, {"num_gpu_blocks": 1}):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)  # type: ignore[arg-type]
+    assert parse_size("512MiB") == 512 << 20 and parse_size("2G") == 2 << 30 and parse_size("1000") == 1000
+
+
+def test_enforce_eager_turns_cuda_graphs_off() -> None:
+    from pagedserve.gpuworker.model_runner import ModelRunner
+
+    assert ModelRunner(EngineConfig(enforce_eager=True), cuda_graphs=True).want_graphs is False
