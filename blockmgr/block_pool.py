@@ -10,6 +10,13 @@ if it still holds a cached hash, evicted) first:
   reverse, so the tail of a hash chain is evicted before its head;
 * a freed block without a hash goes to the head: it holds nothing worth
   keeping, so it is reused before any cached block.
+
+Within one scheduler step, a block whose content a copy of the step still
+reads or writes (a copy-on-write source or destination, a CPU block a
+swap-in reads) is *held* instead of freed when its last reference goes, and
+returns to the queue at the next step: the worker runs all of a step's
+copies as three batches, so reusing such a block in the same step could
+race with them.
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ class Block:
     registered in the prefix cache; ``pending_hash`` while its K/V is being
     written by the current step (it becomes cached at the next step)."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "pending_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "pending_hash", "prev", "next", "held")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -28,6 +35,7 @@ class Block:
         self.pending_hash: bytes | None = None
         self.prev: Block | None = None
         self.next: Block | None = None
+        self.held = False  # freed this step, back in the queue next step
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
@@ -100,6 +108,8 @@ class BlockPool:
         self.free = FreeBlockQueue(self.blocks[first_usable:])
         self.cached: dict[bytes, Block] = {}  # prefix cache: chained hash -> block
         self.num_shared_refs = 0  # sum over blocks of max(ref_cnt - 1, 0)
+        self.hold_ids: set[int] = set()  # blocks a copy of this step touches
+        self.held: list[Block] = []  # of those, the ones freed this step
 
     @property
     def num_free(self) -> int:
@@ -117,7 +127,11 @@ class BlockPool:
     def ref(self, b: Block) -> None:
         """One more table holds ``b`` (revives a cached free block)."""
         if b.ref_cnt == 0:
-            self.free.remove(b)
+            if b.held:
+                b.held = False
+                self.held.remove(b)
+            else:
+                self.free.remove(b)
         else:
             self.num_shared_refs += 1
         b.ref_cnt += 1
@@ -130,10 +144,24 @@ class BlockPool:
         if b.ref_cnt < 0:
             raise AssertionError(f"block {b.block_id} ref count below zero")
         b.pending_hash = None  # its K/V will not be written after all
-        if b.block_hash is not None:
+        if b.block_id in self.hold_ids:
+            b.held = True
+            self.held.append(b)
+        elif b.block_hash is not None:
             self.free.push_tail(b)
         else:
             self.free.push_head(b)
+
+    def end_step(self) -> None:
+        """The step's copies have run: held blocks become free."""
+        for b in self.held:
+            b.held = False
+            if b.block_hash is not None:
+                self.free.push_tail(b)
+            else:
+                self.free.push_head(b)
+        self.held = []
+        self.hold_ids.clear()
 
     def commit(self, b: Block) -> None:
         """Register ``b``'s pending hash in the prefix cache (first wins)."""
@@ -156,13 +184,17 @@ class BlockPool:
             free_ids.add(b.block_id)
         if len(free_ids) != self.free.num_free:
             raise AssertionError(f"{name}: free counter {self.free.num_free} != {len(free_ids)} queued")
+        held_ids = {b.block_id for b in self.held}
+        for b in self.held:
+            if b.ref_cnt != 0 or not b.held or b.block_id in free_ids:
+                raise AssertionError(f"{name}: held block {b.block_id} is in use or also free")
         used = 0
         shared = 0
         for b in self.blocks[self.first_usable:]:
             want = expected_refs.get(b.block_id, 0)
             if b.ref_cnt != want:
                 raise AssertionError(f"{name}: block {b.block_id} ref count {b.ref_cnt}, held by {want} tables")
-            if want == 0 and b.block_id not in free_ids:
+            if want == 0 and b.block_id not in free_ids and b.block_id not in held_ids:
                 raise AssertionError(f"{name}: block {b.block_id} leaked (no holder, not free)")
             if want > 0:
                 used += 1
@@ -172,8 +204,9 @@ class BlockPool:
         for b in self.blocks[: self.first_usable]:
             if b.ref_cnt or b.block_id in expected_refs:
                 raise AssertionError(f"{name}: reserved block {b.block_id} is in use")
-        if used + len(free_ids) != self.num_usable:
-            raise AssertionError(f"{name}: used {used} + free {len(free_ids)} != usable {self.num_usable}")
+        if used + len(free_ids) + len(held_ids) != self.num_usable:
+            raise AssertionError(f"{name}: used {used} + free {len(free_ids)} + held {len(held_ids)} "
+                                 f"!= usable {self.num_usable}")
         if shared != self.num_shared_refs:
             raise AssertionError(f"{name}: shared-ref counter {self.num_shared_refs} != {shared}")
         for h, b in self.cached.items():

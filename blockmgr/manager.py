@@ -13,8 +13,11 @@ Conventions
   CPU blocks are all usable.
 * A full block is keyed by sha256(parent key + its token ids); the chain's
   root is the empty key, or sha256 of the request's cache salt. A block
-  filled by this step becomes a prefix-cache hit from the next ``step()``
-  on, because its K/V is written by this step's forward pass.
+  filled by this step becomes a prefix-cache hit from the next step's
+  first request on (``continues_step`` False), because its K/V is written
+  by this step's forward pass; extra rounds of the same step (preemption,
+  ``continues_step`` True) do not commit, and a block freed before the
+  commit is never cached.
 * ``SeqResult``s are sent only for ops that changed a GPU block table
   (Allocate always, Fork for the child, Append only when it added or
   replaced a block, SwapOut/SwapIn per sequence) or that answered
@@ -76,7 +79,7 @@ class _Seq:
     filled last block and ``last_key`` the key of the last full one (both
     only with prefix caching)."""
 
-    __slots__ = ("table", "num_tokens", "tail", "last_key", "on_cpu")
+    __slots__ = ("table", "num_tokens", "tail", "last_key", "on_cpu", "mark", "mark_step")
 
     def __init__(self, table: list[Block], num_tokens: int, tail: list[int], last_key: bytes, on_cpu: bool = False) -> None:
         self.table = table
@@ -84,6 +87,10 @@ class _Seq:
         self.tail = tail
         self.last_key = last_key
         self.on_cpu = on_cpu
+        # (num_tokens, last_key, tail) before this step's first Append, so a
+        # swap-out later in the step can give back the slots it will not use
+        self.mark: tuple[int, bytes, list[int]] | None = None
+        self.mark_step = -1
 
 
 class BlockManager:
@@ -115,12 +122,18 @@ class BlockManager:
         self.prefix_cache_hits = 0
         self._pending: list[Block] = []  # filled this step, cached at the next
         self._copies: list[tuple[int, int]] = []
+        # CoW destinations of the current step -> the block whose content they
+        # will receive; a swap-out in the same step copies from there, since
+        # the worker runs swap_out before copies
+        self._cow_src: dict[int, int] = {}
+        self._swapin_src: dict[int, Block] = {}  # GPU block swapped in this step -> its CPU source
+        self._step_no = 0
 
     # ---- the batched step -------------------------------------------------
 
     def step(self, req: StepRequest) -> StepReply:
         if not req.continues_step:
-            self.commit_cached_blocks()
+            self.begin_step()
         results: list[SeqResult] = []
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
@@ -166,9 +179,14 @@ class BlockManager:
         copies, self._copies = self._copies, []
         return StepReply(results, copies, swap_out, swap_in, self.stats())
 
-    def commit_cached_blocks(self) -> None:
-        """The previous step's forward pass has written the K/V of the
-        blocks it filled: they become prefix-cache hits now."""
+    def begin_step(self) -> None:
+        """The previous step's copies and forward pass have run: the blocks
+        it filled become prefix-cache hits, held blocks become free."""
+        self._step_no += 1
+        self._cow_src.clear()
+        self._swapin_src.clear()
+        self.gpu.end_step()
+        self.cpu.end_step()
         if self._pending:
             commit = self.gpu.commit
             for b in self._pending:
@@ -278,6 +296,9 @@ class BlockManager:
         table = s.table
         nt = s.num_tokens
         result: SeqResult | None = None
+        if s.mark_step != self._step_no:
+            s.mark = (nt, s.last_key, list(s.tail))
+            s.mark_step = self._step_no
         if nt + k > len(table) * bs or (nt % bs and table[-1].ref_cnt > 1):
             gpu = self.gpu
             cow = nt % bs != 0 and table[-1].ref_cnt > 1
@@ -289,6 +310,9 @@ class BlockManager:
                 src = table[-1]
                 dst = gpu.take()
                 self._copies.append((src.block_id, dst.block_id))
+                self._cow_src[dst.block_id] = self._cow_src.get(src.block_id, src.block_id)
+                gpu.hold_ids.add(src.block_id)
+                gpu.hold_ids.add(dst.block_id)
                 gpu.unref(src)
                 table[-1] = dst
                 start -= 1
@@ -319,7 +343,9 @@ class BlockManager:
         ref = self.gpu.ref
         for b in p.table:
             ref(b)
-        self.seqs[child_seq_id] = _Seq(list(p.table), p.num_tokens, list(p.tail), p.last_key)
+        child = self.seqs[child_seq_id] = _Seq(list(p.table), p.num_tokens, list(p.tail), p.last_key)
+        if p.mark_step == self._step_no and p.mark is not None:
+            child.mark, child.mark_step = (p.mark[0], p.mark[1], list(p.mark[2])), p.mark_step
         return SeqResult(child_seq_id, _OK, 0, [b.block_id for b in p.table])
 
     def free(self, seq_id: int) -> None:
@@ -338,20 +364,50 @@ class BlockManager:
                 raise BlockManagerError(f"seq_id {i} is {'on the GPU' if not s.on_cpu else 'swapped out'}")
         return group
 
-    @staticmethod
-    def _need(group: list[_Seq], dst: BlockPool) -> int:
+    def _kept(self, s: _Seq) -> int:
+        """Blocks a swap-out keeps: those holding tokens from before this
+        step's Appends (a sequence swapped out does not run this step)."""
+        if s.mark_step == self._step_no and s.mark is not None:
+            return -(-s.mark[0] // self.block_size)
+        return len(s.table)
+
+    def _rollback_step(self, s: _Seq) -> None:
+        """Give back the slots this step's Appends reserved for ``s``."""
+        if s.mark_step != self._step_no or s.mark is None:
+            return
+        nt0, key0, tail0 = s.mark
+        bs = self.block_size
+        keep = -(-nt0 // bs)
+        for b in s.table[nt0 // bs:s.num_tokens // bs]:
+            b.pending_hash = None  # filled by tokens that will not be computed
+        for b in reversed(s.table[keep:]):
+            self.gpu.unref(b)
+        del s.table[keep:]
+        s.num_tokens, s.last_key, s.tail = nt0, key0, tail0
+        s.mark, s.mark_step = None, -1
+
+    def _existing(self, b: Block, dst: BlockPool) -> Block | None:
+        """A ``dst`` block that holds (or by the swap-outs' time will hold)
+        ``b``'s content without a copy, if any."""
+        if dst is self.cpu:
+            c = self._swapin_src.get(self._cow_src.get(b.block_id, b.block_id))
+            if c is not None:  # swapped in this step: its CPU source is still intact (held)
+                return c
+        return dst.cached.get(b.block_hash) if b.block_hash is not None else None
+
+    def _need(self, group: list[_Seq], dst: BlockPool) -> int:
         """Free ``dst`` blocks a move takes: one per distinct block of the
-        group, unless ``dst`` already caches its content and it is in use."""
+        group, unless ``dst`` already holds its content."""
         need = 0
         seen: set[int] = set()
-        cached = dst.cached
+        out = dst is self.cpu
         for s in group:
-            for b in s.table:
+            for b in s.table[: self._kept(s)] if out else s.table:
                 if b.block_id in seen:
                     continue
                 seen.add(b.block_id)
-                d = cached.get(b.block_hash) if b.block_hash is not None else None
-                if d is None or d.ref_cnt == 0:
+                d = self._existing(b, dst)
+                if d is None or (d.ref_cnt == 0 and not d.held):
                     need += 1
         return need
 
@@ -365,7 +421,9 @@ class BlockManager:
     def _move(self, group: list[_Seq], src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
         """Give each distinct block of the group one block in ``dst``: blocks
         shared inside the group stay shared, and a block whose content
-        ``dst`` still caches (by prefix key) is reused without a copy."""
+        ``dst`` already holds is reused without a copy. The worker runs
+        swap-outs first, so a swap-out copies a CoW destination of this step
+        from its source."""
         moved: dict[int, Block] = {}
         mapping: list[tuple[int, int]] = []
         to_gpu = dst is self.gpu
@@ -373,24 +431,26 @@ class BlockManager:
             new_table = []
             for b in s.table:
                 d = moved.get(b.block_id)
+                if d is None:
+                    d = self._existing(b, dst)
                 if d is not None:
                     dst.ref(d)
                 else:
+                    d = dst.take()
                     key = b.block_hash
-                    d = dst.cached.get(key) if key is not None else None
-                    if d is not None:
-                        dst.ref(d)
-                    else:
-                        d = dst.take()
+                    if to_gpu:
                         mapping.append((b.block_id, d.block_id))
-                        if key is not None:
-                            if to_gpu:  # cached once the copy has run (next step)
-                                d.pending_hash = key
-                                self._pending.append(d)
-                            else:  # the swap-out copy runs before anything reuses it
-                                d.block_hash = key
-                                dst.cached[key] = d
-                    moved[b.block_id] = d
+                        self._swapin_src[d.block_id] = b
+                        src.hold_ids.add(b.block_id)  # read by the swap-in: keep it this step
+                        if key is not None:  # cached once the copy has run (next step)
+                            d.pending_hash = key
+                            self._pending.append(d)
+                    else:
+                        mapping.append((self._cow_src.get(b.block_id, b.block_id), d.block_id))
+                        if key is not None:  # swap-outs run before anything reuses it
+                            d.block_hash = key
+                            dst.cached[key] = d
+                moved[b.block_id] = d
                 new_table.append(d)
             for b in reversed(s.table):
                 src.unref(b)
@@ -399,10 +459,13 @@ class BlockManager:
         return mapping
 
     def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]] | None:
-        """(gpu, cpu) pairs to copy, or None when the CPU pool has no room."""
+        """(gpu, cpu) pairs to copy, or None when the CPU pool has no room.
+        Slots this step's Appends reserved for the group are given back."""
         group = self._group(seq_ids, on_cpu=False)
         if self._need(group, self.cpu) > self.cpu.num_free:
             return None
+        for s in group:
+            self._rollback_step(s)
         return self._move(group, self.gpu, self.cpu)
 
     def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]] | None:

@@ -82,6 +82,18 @@ def test_prefix_cache_hit_reuses_blocks_from_next_step() -> None:
     assert r.stats.prefix_cache_hits == 2 and r.stats.num_free_gpu_blocks == 1
 
 
+def test_continued_step_does_not_commit_unwritten_blocks() -> None:
+    m = mk()
+    step(m, Allocate(1, A, 12))
+    # a preemption round of the same step: blocks 1-3 hold no K/V yet
+    r = m.step(StepRequest([Free(1), Allocate(2, A, 12)], continues_step=True))
+    m.check_integrity()
+    assert r.results == [res(2, 0, [1, 2, 3], 0, 12)]  # no hit; freed unkeyed blocks reused first
+    assert not m.gpu.cached
+    r = step(m, Allocate(3, A, 12))  # next step: seq 2's blocks are cached now
+    assert r.results == [res(3, 0, [1, 2, 4], 8, 4)]
+
+
 def test_prefix_cache_never_covers_the_whole_prompt() -> None:
     m = mk()
     step(m, Allocate(1, B, 8))
@@ -178,7 +190,22 @@ def test_swap_out_in_forked_group_without_caching() -> None:
     r = step(m, SwapIn([1, 2]))
     assert r.swap_in == [(0, 1), (1, 3), (2, 2)]
     assert r.results == [SeqResult(1, OK, 0, [1, 3]), SeqResult(2, OK, 0, [1, 2])]
-    assert r.stats.num_shared_block_refs == 1 and r.stats.num_free_cpu_blocks == 4
+    # the CPU blocks the swap-in reads stay held until the step's copies ran
+    assert r.stats.num_shared_block_refs == 1 and r.stats.num_free_cpu_blocks == 1
+    assert [b.block_id for b in m.cpu.held] == [1, 2, 0]
+    assert step(m).stats.num_free_cpu_blocks == 4
+
+
+def test_swap_out_after_cow_in_the_same_step_copies_from_the_source() -> None:
+    m = mk(caching=False)
+    step(m, Allocate(1, A[:6], 6), Fork(1, 2))  # both [1, 2], block 2 partly filled
+    r = step(m, Append(1, [7]))  # CoW 2 -> 3, executed after this step's swap-outs
+    assert r.copies == [(2, 3)]
+    r = m.step(StepRequest([SwapOut([1])], continues_step=True))  # preemption round, same step
+    # block 3 receives its content only after swap_out runs: copy from block 2
+    assert r.swap_out == [(1, 0), (2, 1)]
+    r = step(m, Append(2, [1]), SwapOut([2]))  # a later step: block 2 is seq 2's own now
+    assert r.swap_out == [(1, 2), (2, 3)] and r.copies == []  # from block 2 itself now
 
 
 def test_swap_in_reuses_blocks_still_cached_on_gpu() -> None:
@@ -191,8 +218,9 @@ def test_swap_in_reuses_blocks_still_cached_on_gpu() -> None:
     r = step(m, SwapIn([1, 2]))
     assert r.swap_in == [(1, 3), (2, 2)]  # block 1 still holds cpu block 0's content
     assert r.results == [SeqResult(1, OK, 0, [1, 3]), SeqResult(2, OK, 0, [1, 2])]
-    # CPU free queue, head first: 2 1 (uncached) 3, then 0 (still keyed)
-    assert [b.block_id for b in m.cpu.free] == [2, 1, 3, 0]
+    # CPU blocks 1 and 2 are held (read by this step's swap-in); 0 was not copied
+    assert [b.block_id for b in m.cpu.held] == [1, 2]
+    assert [b.block_id for b in m.cpu.free] == [3, 0]
     # swapping out again reuses the CPU copy of block 1 without a copy
     r = step(m, SwapOut([1, 2]))
     assert r.swap_out == [(3, 2), (2, 1)]

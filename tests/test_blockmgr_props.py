@@ -62,70 +62,103 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return (st_.num_free_gpu_blocks, st_.num_free_cpu_blocks, st_.num_shared_block_refs,
                 {s: (self.m.block_table(s), self.m.seqs[s].num_tokens) for s in self.m.seqs})
 
-    def write(self, seq: int, start: int, toks: list[int]) -> None:
+    def write(self, seq: int, start: int, toks: list[int], readers: set[int] = frozenset()) -> None:
+        """The forward pass writes ``toks``; ``readers`` (children forked from
+        ``seq`` after its Append this step) share the slots but never write them."""
         table = self.tables[seq]
         for i, t in enumerate(toks, start):
             b = table[i // self.bs]
             assert b != 0, "null block handed out"
-            holders = [s for s, tb in self.tables.items() if s != seq and b in tb]
+            holders = [s for s, tb in self.tables.items() if s != seq and s not in readers and b in tb]
             assert not holders, f"seq {seq} writes block {b} shared with {holders}"
-            assert self.m.gpu.blocks[b].ref_cnt == 1
             self.gpu_mem[b][i % self.bs] = t
 
-    def run(self, ops: list, writes: dict[int, tuple[str, list[int]]]) -> dict:
+    def run(self, ops: list, writes: dict[int, tuple[str, list[int]]]) -> None:
         """One step. ``writes``: seq -> ("alloc", prompt) or ("append", tokens)."""
-        before = self.snapshot()
-        reply = self.m.step(StepRequest(ops))
-        self.m.check_integrity()
-        by_seq = {}
-        blocked = False
-        for r in reply.results:
-            assert r.seq_id not in by_seq
-            by_seq[r.seq_id] = r
-        # FCFS: after the first NO_ROOM, every later Allocate/SwapIn is NO_ROOM
-        for op in ops:
-            ids = [op.seq_id] if isinstance(op, (Allocate, Append)) else getattr(op, "seq_ids", [])
-            for s in ids:
-                r = by_seq.get(s)
-                if blocked and isinstance(op, (Allocate, SwapIn)):
-                    assert r is not None and r.status is Status.NO_ROOM
+        self.run_rounds([(ops, writes)])
+
+    def run_rounds(self, rounds: list) -> None:
+        """One scheduler step sent as several requests (the later ones with
+        ``continues_step``, as the scheduler does to preempt). A round is
+        (ops, writes) or a function returning it once the previous rounds
+        are applied. The worker gets the rounds' swap_out, swap_in and
+        copies concatenated."""
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        copies: list[tuple[int, int]] = []
+        writes: dict[int, tuple[str, list[int], object]] = {}
+        forks: list[Fork] = []
+        i = 0
+        for rnd in rounds:
+            ops, round_writes = rnd() if callable(rnd) else rnd
+            if not ops:
+                continue
+            i += 1
+            if i == 1:
+                self.m.begin_step()  # (step() repeats it: harmless) so the snapshot sees held blocks freed
+            before = self.snapshot()
+            reply = self.m.step(StepRequest(ops, continues_step=i > 1))
+            self.m.check_integrity()
+            by_seq = {}
+            for r in reply.results:
+                assert r.seq_id not in by_seq
+                by_seq[r.seq_id] = r
+            # FCFS: after the first NO_ROOM, every later Allocate/SwapIn is NO_ROOM
+            blocked = False
+            for op in ops:
+                ids = [op.seq_id] if isinstance(op, (Allocate, Append)) else getattr(op, "seq_ids", [])
+                for s in ids:
+                    r = by_seq.get(s)
+                    if blocked and isinstance(op, (Allocate, SwapIn)):
+                        assert r is not None and r.status is Status.NO_ROOM
+                    if r is not None and r.status is Status.NO_ROOM:
+                        blocked = True
+            if len(ops) == 1 and reply.results and all(r.status is Status.NO_ROOM for r in reply.results):
+                assert self.snapshot() == before, "a NO_ROOM op changed the manager"
+            # the scheduler's view: apply table diffs
+            for r in reply.results:
+                if r.status is Status.OK:
+                    self.tables.setdefault(r.seq_id, [])[r.table_start:] = r.block_ids
+            # a swap moves each distinct block once: sharing inside the group survives
+            for op in ops:
+                if isinstance(op, (SwapOut, SwapIn)) and by_seq[op.seq_ids[0]].status is Status.OK:
+                    pairs = {(o, n) for s in op.seq_ids for o, n in zip(before[3][s][0], self.m.block_table(s))}
+                    assert len({o for o, _ in pairs}) == len({n for _, n in pairs}), pairs
+            for op in ops:  # a sequence preempted after its Append does not run this step
+                if isinstance(op, SwapOut) and by_seq[op.seq_ids[0]].status is Status.OK:
+                    for x in op.seq_ids:
+                        writes.pop(x, None)
+            swap_out += reply.swap_out
+            swap_in += reply.swap_in
+            copies += reply.copies
+            for seq, (kind, toks) in round_writes.items():
+                r = by_seq.get(seq)
                 if r is not None and r.status is Status.NO_ROOM:
-                    blocked = True
-        if len(ops) == 1 and reply.results and all(r.status is Status.NO_ROOM for r in reply.results):
-            assert self.snapshot() == before, "a NO_ROOM op changed the manager"
-        # the scheduler's view: apply table diffs
-        for r in reply.results:
-            if r.status is Status.OK:
-                if r.seq_id not in self.tables:
-                    self.tables[r.seq_id] = []
-                self.tables[r.seq_id][r.table_start:] = r.block_ids
+                    if kind == "alloc":
+                        del self.tables[seq]
+                    continue
+                writes[seq] = (kind, toks, r)
+            forks += [op for op in ops if isinstance(op, Fork)]
+        for seq in [x for x in self.tables if x not in self.m.seqs]:  # freed this step
+            del self.tables[seq]
+            self.tokens.pop(seq, None)
         # the worker: swap out, swap in, copy-on-write, then the forward pass
-        for g, c in reply.swap_out:
+        for g, c in swap_out:
             self.cpu_mem[c] = list(self.gpu_mem[g])
-        for c, g in reply.swap_in:
+        for c, g in swap_in:
             self.gpu_mem[g] = list(self.cpu_mem[c])
-        for src, dst in reply.copies:
+        for src, dst in copies:
             self.gpu_mem[dst] = list(self.gpu_mem[src])
+        # sequences freed or swapped out by a later round do not run
+        writes = {s: w for s, w in writes.items() if s in self.m.seqs and not self.m.seqs[s].on_cpu}
         # a prefix-cache hit must read K/V written by an earlier step's forward
-        for seq, (kind, toks) in writes.items():
-            r = by_seq.get(seq)
-            if kind == "alloc" and r is not None and r.status is Status.OK:
+        for seq, (kind, toks, r) in writes.items():
+            if kind == "alloc":
                 table = self.tables[seq]
                 got = [self.gpu_mem[table[i // self.bs]][i % self.bs] for i in range(r.num_cached_tokens)]
                 assert got == toks[: r.num_cached_tokens], "cache hit on K/V not yet written"
-        # a swap moves each distinct block once: sharing inside the group survives
-        for op in ops:
-            if isinstance(op, (SwapOut, SwapIn)) and by_seq[op.seq_ids[0]].status is Status.OK:
-                pairs = {(o, n) for s in op.seq_ids for o, n in zip(before[3][s][0], self.m.block_table(s))}
-                assert len({o for o, _ in pairs}) == len(pairs) == len({n for _, n in pairs}), pairs
-        for seq, (kind, toks) in writes.items():
-            r = by_seq.get(seq)
-            if r is not None and r.status is Status.NO_ROOM:
-                if kind == "alloc":
-                    del self.tables[seq]
-                continue
+        for seq, (kind, toks, r) in writes.items():
             if kind == "alloc":
-                assert r is not None
                 n = r.num_cached_tokens + r.num_scheduled_tokens
                 assert r.num_cached_tokens % self.bs == 0 and r.num_cached_tokens < len(toks)
                 self.tokens[seq] = toks[:n]
@@ -133,11 +166,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             else:
                 start = len(self.tokens[seq])
                 self.tokens[seq] += toks
-                self.write(seq, start, toks)
-        for op in ops:
-            if isinstance(op, Fork):
+                self.write(seq, start, toks, {f.child_seq_id for f in forks if f.parent_seq_id == seq})
+        for op in forks:
+            if op.child_seq_id in self.m.seqs:
                 self.tokens[op.child_seq_id] = list(self.tokens[op.parent_seq_id])
-        return by_seq
 
     # ---- rules --------------------------------------------------------------
 
@@ -173,8 +205,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seqs = sorted(self.tokens)
         seq = seqs[pick % len(seqs)]
         self.run([Free(seq)], {})
-        del self.tokens[seq]
-        self.tables.pop(seq, None)
+        self.tokens.pop(seq, None)
 
     @precondition(lambda self: self.gpu_seqs())
     @rule(picks=st.lists(st.integers(0, 1000), min_size=1, max_size=4))
@@ -232,6 +263,63 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tables[seq] = []
         self.run(ops, writes)
 
+    @precondition(lambda self: self.tokens)
+    @rule(picks=st.lists(st.integers(0, 1000), min_size=1, max_size=3), toks=st.lists(st.integers(0, 10), min_size=1, max_size=3),
+          fork=st.booleans(), swap=st.booleans(), swap_in_first=st.booleans(), readmit=st.booleans(),
+          n=st.integers(1, 12))
+    def preemption_rounds(self, picks: list[int], toks: list[int], fork: bool, swap: bool, swap_in_first: bool,
+                          readmit: bool, n: int) -> None:
+        """Rounds of one step, as the scheduler sends them: maybe a swap-in;
+        appends to every running sequence (maybe a fork); a preemption by
+        swap-out or free; maybe another swap-in and an admission reusing the
+        blocks just released. Exercises blocks freed and reused within a
+        step while its copies are still pending."""
+        family: dict[int, set[int]] = {}
+
+        def round0() -> tuple[list, dict]:
+            return ([SwapIn(self.cpu_seqs()[:1])] if swap_in_first and self.cpu_seqs() else []), {}
+
+        def round1() -> tuple[list, dict]:
+            ops: list = []
+            writes: dict[int, tuple[str, list[int]]] = {}
+            running = [x for x in sorted(self.m.seqs) if not self.m.seqs[x].on_cpu]
+            for seq in running:
+                ops.append(Append(seq, toks))
+                writes[seq] = ("append", toks)
+            if fork and running:
+                ops.append(Fork(running[0], self.next_id))
+                family[running[0]] = family[self.next_id] = {running[0], self.next_id}
+                self.next_id += 1
+            return ops, writes
+
+        def round2() -> tuple[list, dict]:
+            seqs = [x for x in sorted(self.m.seqs) if not self.m.seqs[x].on_cpu]
+            if not seqs:
+                return [], {}
+            # preemption takes whole groups: a sequence and the child forked from it this step
+            group = sorted(set().union(*(family.get(x, {x}) for x in {seqs[p % len(seqs)] for p in picks})))
+            return ([SwapOut(group)] if swap else [Free(x) for x in group]), {}
+
+        def round3() -> tuple[list, dict]:
+            if not readmit:
+                return [], {}
+            cpu = [x for x in sorted(self.m.seqs) if self.m.seqs[x].on_cpu]
+            ops: list = [SwapIn(cpu[-1:])] if cpu else []
+            seq = self.next_id
+            self.next_id += 1
+            prompt = BASES[1][:n]
+            ops.append(Allocate(seq, prompt, len(prompt)))
+            self.tables[seq] = []
+            return ops, {seq: ("alloc", prompt)}
+
+        self.run_rounds([round0, round1, round2, round3])
+        for seq in list(self.tokens):
+            if seq not in self.m.seqs:
+                del self.tokens[seq]
+        for seq in list(self.tables):
+            if seq not in self.m.seqs:
+                del self.tables[seq]
+
     # ---- invariants ---------------------------------------------------------
 
     @invariant()
@@ -255,6 +343,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         for seq in list(self.tokens):
             self.m.free(seq)
+        self.m.begin_step()  # blocks held for this step's copies come back
         self.m.check_integrity()
         st_ = self.m.stats()
         assert st_.num_free_gpu_blocks == st_.num_gpu_blocks, "GPU blocks leaked"
@@ -264,6 +353,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestBlockManagerProperties = BlockManagerMachine.TestCase

@@ -191,6 +191,7 @@ def simulate_paged(
     running: list[_Group] = []
     next_id = 0
     while queue or running:
+        mgr.begin_step()  # the previous step's copies ran: blocks held for them come back
         while queue:  # admit FCFS; the first that does not fit stops admission
             i = queue[0]
             r = reqs[i]
