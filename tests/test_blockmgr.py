@@ -208,6 +208,20 @@ def test_swap_out_after_cow_in_the_same_step_copies_from_the_source() -> None:
     assert r.swap_out == [(1, 2), (2, 3)] and r.copies == []  # from block 2 itself now
 
 
+def test_swap_out_gives_back_the_slots_appended_this_step() -> None:
+    m = mk(caching=False)
+    step(m, Allocate(1, A[:4], 4), Allocate(2, B, 8))  # seq 1 [1] full, seq 2 [2, 3]
+    r = step(m, Append(1, [5]), Append(2, [6]))
+    assert r.results == [res(1, 1, [4], 0, 1), res(2, 2, [5], 0, 1)]
+    # preemption round of the same step: seq 1 will not run, its new slot goes back
+    r = m.step(StepRequest([SwapOut([1])], continues_step=True))
+    m.check_integrity()
+    assert r.swap_out == [(1, 0)] and m.seqs[1].num_tokens == 4
+    assert [b.block_id for b in m.gpu.free][:2] == [1, 4]
+    r = step(m, SwapIn([1]), Append(1, [5]))  # the scheduler re-sends the same token later
+    assert r.swap_in == [(0, 1)] and r.results[1] == res(1, 1, [4], 0, 1)
+
+
 def test_swap_in_reuses_blocks_still_cached_on_gpu() -> None:
     m = mk()
     step(m, Allocate(1, A[:6], 6))
