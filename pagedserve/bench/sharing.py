@@ -13,9 +13,9 @@ sharing-free allocator would need on top). Saving = shared refs / (used +
 shared refs), summed over the steps, as in the paper ("blocks saved /
 blocks needed without sharing").
 
-Beam search shares more (the paper: 37.6-66.3 %), but needs a beam driver
-(fork the surviving beams and free the pruned ones every step); it plugs in
-as another entry of ``DECODINGS`` when the beam-search issue lands.
+Beam search (``--decoding beam``) is measured on real runs of a model through
+the engine core, where every step forks the surviving beams and frees the
+pruned ones (``bench/sharing_beam.py``).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from pagedserve.bench.memory import POOL_SLOTS, simulate_paged
 from pagedserve.bench.workloads import MAX_MODEL_LEN, RequestLen, machine_info, sample_lengths
+from pagedserve.bench.sharing_beam import beam_saving
 from pagedserve.blockmgr.manager import BlockManager
 
 PAPER = {  # saving %, OPT-13B
@@ -66,29 +67,39 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pagedserve bench sharing", description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="alpaca,sharegpt")
     p.add_argument("--widths", default="2,4,6", help="samples per request")
-    p.add_argument("--decoding", default="parallel", choices=sorted(DECODINGS))
+    p.add_argument("--decoding", default="parallel", choices=sorted([*DECODINGS, "beam"]))
     p.add_argument("--num-requests", type=int, default=600)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="beam: HF folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--beam-requests", type=int, default=4, help="beam: requests per workload (real model runs)")
+    p.add_argument("--beam-max-output", type=int, default=48, help="beam: cap on output lengths (CPU time)")
     args = p.parse_args(argv)
     widths = [int(x) for x in args.widths.split(",")]
-    run = DECODINGS[args.decoding]
+    simulated = args.decoding != "beam"
     results: dict[str, dict[str, dict[str, float]]] = {}
     for w in args.workloads.split(","):
-        reqs = sample_lengths(w, args.num_requests, args.seed)
-        results[w] = {str(n): run(w, reqs, n, args.seed) for n in widths}
+        if args.decoding == "beam":
+            results[w] = {str(n): beam_saving(args.model, w, n, args.beam_requests, args.beam_max_output, args.seed)
+                          for n in widths}
+        else:
+            reqs = sample_lengths(w, args.num_requests, args.seed)
+            results[w] = {str(n): DECODINGS[args.decoding](w, reqs, n, args.seed) for n in widths}
 
     machine = machine_info()
-    print(f"blocks saved by sharing, {args.decoding} decoding, {POOL_SLOTS}-slot pool, block size 16 "
-          f"(simulated; {machine})")
+    how = (f"simulated; {machine}" if simulated else
+           f"real model runs, {args.beam_requests} requests per workload, outputs capped at {args.beam_max_output} "
+           f"tokens; {machine}")
+    print(f"blocks saved by sharing, {args.decoding} decoding, block size 16 ({how})")
     print(f"{'workload':>9} {'n':>3} {'saving':>8} {'paper':>11} {'groups':>7} {'preempt':>8}")
     for w, by_n in results.items():
         paper = PAPER.get((args.decoding, w))
         for n, r in by_n.items():
             ref = paper.get(int(n)) if isinstance(paper, dict) else paper
             ref_s = f"{ref:.2f}%" if isinstance(ref, float) else f"{ref}%" if ref else "-"
-            print(f"{w:>9} {n:>3} {r['saving_pct']:>7.2f}% {ref_s:>11} {r['mean_groups']:>7.2f} {r['preemptions']:>8}")
+            groups = f"{r['mean_groups']:>7.2f}" if "mean_groups" in r else f"{'-':>7}"
+            print(f"{w:>9} {n:>3} {r['saving_pct']:>7.2f}% {ref_s:>11} {groups} {r.get('preemptions', '-'):>8}")
     print("paper: Figure 15 / section 6.3 (OPT-13B); its ShareGPT figure is a range over widths")
-    print(json.dumps({"bench": "sharing", "simulated": True, "decoding": args.decoding, "machine": machine,
+    print(json.dumps({"bench": "sharing", "simulated": simulated, "decoding": args.decoding, "machine": machine,
                       "pool_slots": POOL_SLOTS, "num_requests": args.num_requests, "seed": args.seed,
                       "results": results,
                       "paper": {f"{d}/{w}": v for (d, w), v in PAPER.items() if d == args.decoding}}))
