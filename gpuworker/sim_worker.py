@@ -40,9 +40,9 @@ class CostModel:
             + (2 * params * tokens + attention FLOPs) / (peak FLOP/s * eff)
             + swap bytes / PCIe bw + copy-on-write bytes * 2 / (HBM bw * eff)
 
-    Memory time and compute time are added, not overlapped (a roofline would
-    take their max): at the paper's batch sizes decode is memory bound and the
-    sum overestimates by at most the compute term, which is small there.
+    Memory time and compute time are added, not overlapped: an upper bound
+    that overestimates a decode step by its matmul FLOPs term (``roofline``
+    takes the max for the linear layers instead).
     """
 
     name: str
@@ -62,6 +62,10 @@ class CostModel:
     # bandwidth roofline; the paper measured its paged kernel 20-26 % slower
     # than FasterTransformer's contiguous one (Fig. 18a).
     attention_kv_factor: float = 1.0
+    # False (default): weight reads and matmul FLOPs add up, as specified.
+    # True: the linear layers take max(weight read, matmul compute), a
+    # roofline that hides a small batch's FLOPs under its weight read.
+    roofline: bool = False
 
     @classmethod
     def opt13b_a100(cls) -> "CostModel":
@@ -93,11 +97,14 @@ class CostModel:
             tokens += k
             kv_read += ctx + k  # the context's and the new tokens' K/V (the new ones are also written)
             attn_pairs += k * (ctx + (k + 1) / 2)
-        flops = 2 * self.num_params * tokens + 4 * self.num_layers * self.hidden_size * attn_pairs
+        flops_per_s = self.peak_flops * self.flops_efficiency
+        linear_mem = self.weight_bytes / hbm
+        linear_flops = 2 * self.num_params * tokens / flops_per_s
         kv_bytes = (kv_read * self.attention_kv_factor + tokens) * self.kv_bytes_per_token
-        t += (self.weight_bytes + kv_bytes) / hbm
-        t += flops / (self.peak_flops * self.flops_efficiency)
-        return t
+        attention = kv_bytes / hbm + 4 * self.num_layers * self.hidden_size * attn_pairs / flops_per_s
+        if self.roofline:
+            return t + max(linear_mem, linear_flops) + attention
+        return t + linear_mem + linear_flops + attention
 
 
 COST_MODELS = {"opt13b-a100": CostModel.opt13b_a100}

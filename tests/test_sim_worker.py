@@ -40,6 +40,12 @@ def test_step_time_matches_hand_computation() -> None:
     # A slower attention kernel (the paper's paged kernel: +20-26 %) scales only the KV reads.
     slow = dataclasses.replace(c, attention_kv_factor=1.25)
     assert slow.step_time([(100, 1)], 16) - c.step_time([(100, 1)], 16) == pytest.approx(0.25 * 101 * KV / HBM)
+    # The roofline variant hides a decode batch's matmul FLOPs under the weight read.
+    roof = dataclasses.replace(c, roofline=True)
+    batch = [(100, 1)] * 8
+    assert c.step_time(batch, 16) - roof.step_time(batch, 16) == pytest.approx(2 * 13e9 * 8 / FLOPS)
+    big = [(0, 2048)]  # compute bound: the weight read hides instead
+    assert c.step_time(big, 16) - roof.step_time(big, 16) == pytest.approx(26e9 / HBM)
 
 
 def test_step_time_shape() -> None:

@@ -256,6 +256,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--paged-attention-factor", type=float, default=1.0,
                    help="slow our (paged) system's attention KV reads by this factor, e.g. 1.2 for the paper's "
                         "measured 20-26%% paged-kernel overhead (default 1.0: both at the roofline)")
+    p.add_argument("--roofline", action="store_true",
+                   help="cost model variant: linear layers take max(weight read, FLOPs) instead of their sum")
     p.add_argument("--plot", default="serving-sim.png", help="PNG path ('' for none)")
     p.add_argument("--quick", action="store_true", help="CI size: two rates, a few seconds of arrivals")
     args = p.parse_args(argv)
@@ -264,7 +266,7 @@ def main(argv: list[str]) -> int:
     for s in systems:
         if s not in SYSTEMS:
             p.error(f"unknown system {s!r}; choose from {SYSTEMS}")
-    cost = CostModel.opt13b_a100()
+    cost = dataclasses.replace(CostModel.opt13b_a100(), roofline=args.roofline)
     thresholds = {w: args.threshold for w in workloads}
 
     results: dict[str, list[Point]] = {}
@@ -293,6 +295,7 @@ def main(argv: list[str]) -> int:
     summary: dict[str, dict] = {}
     print(f"serving-sim: SIMULATED worker ({cost.name} cost model"
           + (f", paged attention x{args.paged_attention_factor:g}" if args.paged_attention_factor != 1.0 else "")
+          + (", roofline variant" if args.roofline else "")
           + f"), real scheduler + memory managers; {machine}")
     for w, pts in results.items():
         rates = sorted({pt.rate for pt in pts})
