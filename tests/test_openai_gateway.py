@@ -147,3 +147,29 @@ def test_errors_have_the_openai_shape(gw: tuple[Server, str], client: openai.Ope
     # Still serving.
     r = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_http_client_disconnect_frees_everything(gw: tuple[Server, str], model_name: str) -> None:
+    import http.client
+    import time
+
+    host, port = gw[1].removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"model": model_name, "prompt": PROMPT, "max_tokens": 480, "temperature": 0,
+                       "ignore_eos": True, "stream": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type", "").startswith("text/event-stream")
+    assert resp.readline().startswith(b"data: ")  # streaming has begun
+    with gw[0].client() as c:
+        assert c.server_info().num_running == 1
+        conn.close()  # the client goes away mid-stream
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            info = c.server_info()
+            if info.num_running == 0 and info.num_free_gpu_blocks == info.num_gpu_blocks \
+                    and info.num_requests_in_flight == 0:
+                break
+            time.sleep(0.05)
+    assert info.num_running == 0 and info.num_free_gpu_blocks == info.num_gpu_blocks, info
+    assert info.num_requests_in_flight == 0
