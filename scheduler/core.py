@@ -16,6 +16,7 @@ arrivals (last come, first preempted, whole groups) and retries.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -295,6 +296,8 @@ class Scheduler:
                 self.swapped.remove(group)
             else:
                 self.waiting.remove(group)
+                if group.queue_time_s is None:
+                    group.queue_time_s = max(0.0, time.time() - group.arrival_time)
             for s in group.live_seqs:
                 s.status = SeqStatus.RUNNING
             self.running.append(group)
@@ -453,6 +456,8 @@ class Scheduler:
                 delta.logprobs = [(st.logprob if st.logprob is not None else 0.0, st.top_logprobs)]
             if group.params.prompt_logprobs is not None and not group.prompt_logprobs_sent:
                 delta.prompt_logprobs, group.prompt_logprobs_sent = group.prompt_logprobs, True
+            if not group.queue_time_sent:
+                delta.queue_time_s, group.queue_time_sent = group.queue_time_s, True
             self._deltas.append(delta)
             if reason is not None:
                 self._finish_seq(seq, reason)
@@ -472,6 +477,10 @@ class Scheduler:
         assert beam is not None
         tops = [group.beam_tops[s.seq_id] for s in live]
         group.beam_tops = {}
+        if not any(tops):
+            self.running.remove(group)
+            self._finish_group(group, FinishReason.ERROR, "beam search needs top logprobs, and the worker sent none")
+            return
         running = [Hypothesis(s.token_ids[s.num_prompt_tokens:], s.cum_logprob) for s in live]
         choices = beam.step(running, tops)
         children: list[Sequence] = []

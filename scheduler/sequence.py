@@ -74,6 +74,8 @@ class SequenceGroup:
     beam_tops: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # this step's reports
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    queue_time_s: float | None = None  # set at first admission
+    queue_time_sent: bool = False
 
     @property
     def needs_fork(self) -> bool:

@@ -209,3 +209,28 @@ def test_request_that_can_never_fit_gets_an_error() -> None:
     assert "big" in errs and "KV blocks" in errs["big"]
     assert "grows" in errs and "outgrew" in errs["grows"]
     assert_all_free(core, blocks)
+
+
+def test_first_delta_carries_queue_time() -> None:
+    import time
+
+    core, worker, blocks = make_engine(num_gpu_blocks=100, max_num_seqs=1)
+    now = time.time()
+    add(core, "a", [1, 2, 3], 3, t=now)
+    add(core, "b", [4, 5, 6], 3, t=now)
+    deltas = core.run_until_idle()
+    firsts = {}
+    for d in deltas:
+        firsts.setdefault(d.request_id, d)
+    assert all(d.queue_time_s is not None for d in firsts.values())
+    assert firsts["b"].queue_time_s >= firsts["a"].queue_time_s  # b waited for a (max_num_seqs=1)
+    assert sum(d.queue_time_s is not None for d in deltas) == 2
+
+
+def test_beam_search_without_logprobs_fails_instead_of_hanging() -> None:
+    core, worker, blocks = make_engine(num_gpu_blocks=100)
+    core.handle(AddRequest("beam", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, beam_width=2, n=2), 0.0))
+    deltas = core.run_until_idle(max_steps=50)
+    assert [d.finish_reason for d in deltas if d.request_id == "beam"][-1] == "error"
+    assert not core.has_work() or core.step() == []
+    assert_all_free(core, blocks)

@@ -51,6 +51,8 @@ class TokenDelta(msgspec.Struct, array_like=True):
     # Beam search sends each final beam whole: token_ids then replace, not extend.
     replace: bool = False
     cumulative_logprob: float | None = None
+    # On a request's first delta: seconds from arrival to its first scheduled step.
+    queue_time_s: float | None = None
 
 
 class Outputs(msgspec.Struct, tag=60, array_like=True):
