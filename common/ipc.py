@@ -12,6 +12,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagedserve.common import curve
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -32,6 +34,7 @@ def _cleanup_ipc(addr: str) -> None:
 def _open(ctx: zmq.Context[Any], kind: int, addr: str, bind: bool) -> zmq.Socket[Any]:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    curve.secure(sock, addr, bind, curve.from_env())
     if bind:
         if addr.startswith("ipc://"):
             os.makedirs(os.path.dirname(addr[len("ipc://"):]) or ".", exist_ok=True)

@@ -3,6 +3,7 @@
   pagedserve serve ...                     all four components, locally
   pagedserve frontend|scheduler|blockmgr|gpuworker ...   one component
   pagedserve generate PROMPT ...           a small streaming client
+  pagedserve keygen DIR                    CurveZMQ keys for internal tcp:// sockets
   pagedserve bench NAME ...                pagedserve.bench.NAME.main(argv)
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ _COMPONENTS = {
     "gpuworker": "pagedserve.gpuworker.service",
     "serve": "pagedserve.launcher",
     "generate": "pagedserve.client",
+    "keygen": "pagedserve.common.curve",
 }
 
 
