@@ -68,11 +68,13 @@ class Scheduler:
         self.swapped: list[SequenceGroup] = []
         self.groups: dict[str, SequenceGroup] = {}
         self._seq_group: dict[int, SequenceGroup] = {}
+        self._seqs: dict[int, Sequence] = {}
         self._seq_ids = itertools.count(1)
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
         self._pending_forks: list[bm.Fork] = []  # beam search: new beams, before their parents' frees
         self._pending_frees: list[int] = []  # seq ids to free in the blockmgr next round
+        self._pending_free_blocks = 0  # at most this many blocks come back with them
         self._pending_drops: list[int] = []  # seq ids whose worker state to drop next step
         self._deltas: list[TokenDelta] = []  # produced outside a worker step (errors, aborts)
         self._plan: _StepPlan | None = None
@@ -106,7 +108,7 @@ class Scheduler:
             return
         self.groups[group.request_id] = group
         for s in seqs:
-            self._seq_group[s.seq_id] = group
+            self._track(group, s)
         self.waiting.append(group)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -151,7 +153,7 @@ class Scheduler:
             child = Sequence(next(self._seq_ids), i, list(parent.token_ids), parent.num_prompt_tokens,
                              parent.num_computed_tokens, status=SeqStatus.RUNNING)
             group.seqs.append(child)
-            self._seq_group[child.seq_id] = group
+            self._track(group, child)
             ops.append(bm.Fork(parent.seq_id, child.seq_id))
             self._plan.await_fork[child.seq_id] = child  # type: ignore[union-attr]
         group.forked = True
@@ -172,6 +174,16 @@ class Scheduler:
             if group.needs_fork and self._todo(group, group.seqs[0]) == 0:
                 ops += self._fork_children(group)
         budget = self.cfg.max_num_batched_tokens
+        bs = self.cfg.block_size
+        # Blocks likely free for admissions: the last reply's count, plus what
+        # this step's frees return, minus what the appends take. Only an
+        # estimate (prefix hits and sharing move it), used to avoid sending
+        # admissions that are sure to be refused.
+        room = None
+        if self.block_stats is not None:
+            room = (self.block_stats.num_free_gpu_blocks + self._pending_free_blocks
+                    - int(0.01 * self.block_stats.num_gpu_blocks))
+        self._pending_free_blocks = 0
         for group in self.running:
             for seq in group.live_seqs:
                 k = min(self._todo(group, seq), budget)
@@ -180,6 +192,8 @@ class Scheduler:
                 budget -= k
                 ops.append(self._append_op(seq, k))
                 plan.await_append[seq.seq_id] = (seq, k)
+                if room is not None:
+                    room -= max(0, -(-(seq.num_computed_tokens + k) // bs) - seq.num_blocks)
         num_seqs = sum(self._width(g) for g in self.running)
         # Swapped groups resume before new admissions.
         for group in self.swapped:
@@ -196,11 +210,22 @@ class Scheduler:
                 width = self._width(group)
                 if budget <= 0 or num_seqs + width > self.cfg.max_num_seqs:
                     break
+                allocs = []
+                need = 0
                 for seq in group.live_seqs:
                     tokens = seq.token_ids[:-1] if group.needs_fork else seq.token_ids
                     k = min(len(tokens), budget)
                     budget -= k
-                    ops.append(bm.Allocate(seq.seq_id, list(tokens), k, group.cache_salt))
+                    need += -(-k // bs)
+                    allocs.append(bm.Allocate(seq.seq_id, list(tokens), k, group.cache_salt))
+                # The queue's head is always tried (its prefix may be cached); later
+                # groups only while the estimate says they may fit.
+                if room is not None and plan.admitted and need > room:
+                    break
+                if room is not None:
+                    room -= need
+                for op, seq in zip(allocs, group.live_seqs):
+                    ops.append(op)
                     plan.await_alloc[seq.seq_id] = seq
                 num_seqs += width
                 plan.admitted.append(group)
@@ -210,7 +235,15 @@ class Scheduler:
         return bm.StepRequest(ops)
 
     def _seq_by_id(self, seq_id: int) -> Sequence:
-        return next(s for s in self._seq_group[seq_id].seqs if s.seq_id == seq_id)
+        return self._seqs[seq_id]
+
+    def _track(self, group: SequenceGroup, seq: Sequence) -> None:
+        self._seq_group[seq.seq_id] = group
+        self._seqs[seq.seq_id] = seq
+
+    def _untrack(self, seq_id: int) -> None:
+        self._seq_group.pop(seq_id, None)
+        self._seqs.pop(seq_id, None)
 
     def on_block_reply(self, reply: bm.StepReply) -> bm.StepRequest | wk.ExecuteStep | None:
         plan = self._plan
@@ -488,12 +521,12 @@ class Scheduler:
             parent = live[c.parent]
             child = Sequence(next(self._seq_ids), i, parent.token_ids + [c.token_id], parent.num_prompt_tokens,
                              len(parent.token_ids), status=SeqStatus.RUNNING, cum_logprob=c.cum_logprob)
-            self._seq_group[child.seq_id] = group
+            self._track(group, child)
             self._pending_forks.append(bm.Fork(parent.seq_id, child.seq_id))
             children.append(child)
         for s in live:
             self._finish_seq(s, FinishReason.STOP)  # frees its blocks after the forks above
-            self._seq_group.pop(s.seq_id, None)
+            self._untrack(s.seq_id)
         group.seqs = children
         if beam.done:
             for i, hyp in enumerate(beam.results(max(1, group.params.n))):
@@ -533,6 +566,8 @@ class Scheduler:
     def _finish_seq(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):
             self._pending_frees.append(seq.seq_id)
+            if seq.status is SeqStatus.RUNNING:
+                self._pending_free_blocks += seq.num_blocks
         if seq.known_to_worker:
             self._pending_drops.append(seq.seq_id)
             seq.known_to_worker = False
@@ -552,7 +587,7 @@ class Scheduler:
     def _forget(self, group: SequenceGroup) -> None:
         self.groups.pop(group.request_id, None)
         for s in group.seqs:
-            self._seq_group.pop(s.seq_id, None)
+            self._untrack(s.seq_id)
 
 
 def victim_blocks(group: SequenceGroup) -> int:

@@ -83,7 +83,10 @@ class SequenceGroup:
 
     @property
     def live_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished]
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, on the hot path: no new list
+            return seqs if seqs[0].status is not SeqStatus.FINISHED else []
+        return [s for s in seqs if s.status is not SeqStatus.FINISHED]
 
     @property
     def is_finished(self) -> bool:
