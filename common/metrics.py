@@ -107,8 +107,8 @@ class FrontendMetrics:
                              buckets=ITL_BUCKETS, registry=reg)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
                              buckets=LATENCY_BUCKETS, registry=reg)
-        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled "
-                                    "(needs the scheduler to report it; see docs/api.md).",
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Arrival to first scheduled step "
+                                    "(reported by the scheduler on a request's first output).",
                                     buckets=LATENCY_BUCKETS, registry=reg)
         self.prompt_len = Histogram(PREFIX + "request_prompt_tokens", "Prompt length of finished requests.",
                                     buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000), registry=reg)

@@ -230,6 +230,8 @@ class RequestStream:
                 raise EngineError(d.error)
             if d.prompt_logprobs and self.prompt_logprobs is None:
                 self.prompt_logprobs = list(d.prompt_logprobs)
+            if d.queue_time_s is not None and m:
+                m.queue_time.observe(d.queue_time_s)
             st = self.outputs.get(d.index)
             if st is None:
                 p = self.req.prep

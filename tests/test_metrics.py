@@ -75,6 +75,8 @@ def test_counters_and_histograms_move_with_traffic(ms: tuple[Server, dict[str, i
     assert d["pagedserve:prompt_tokens_total"] == prompt_tokens
     assert d["pagedserve:time_to_first_token_seconds_count"] == 3
     assert d["pagedserve:e2e_request_latency_seconds_count"] == 3
+    assert d["pagedserve:request_queue_time_seconds_count"] == 3
+    assert 0 <= d["pagedserve:request_queue_time_seconds_sum"] <= d["pagedserve:time_to_first_token_seconds_sum"]
     assert d["pagedserve:inter_token_latency_seconds_count"] == streamed - 3  # a gap per token after the first
     assert d["pagedserve:request_success_total{finished_reason=length}"] == 3
     assert d["pagedserve:e2e_request_latency_seconds_sum"] >= d["pagedserve:time_to_first_token_seconds_sum"] > 0
