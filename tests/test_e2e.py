@@ -226,3 +226,14 @@ def test_triton_attention_backend_end_to_end(tmp_path: Path) -> None:
         got = run_concurrently(server, jobs)
     for (prompt, n), tokens in zip(jobs, got):
         assert tokens == hf_greedy(model_dir, tokenize(model_dir, prompt), n)
+
+
+@pytest.mark.parametrize("arch", ["opt", "gpt2", "mistral"])
+def test_other_families_greedy_over_grpc_equals_transformers(tmp_path: Path, arch: str) -> None:
+    """Issue 6: every family is token-identical to transformers end to end, not only in the worker."""
+    model_dir = make_tiny_model(tmp_path, arch, seed=5)
+    jobs = [(p, n) for p, n in zip(PROMPTS[:3], MAX_TOKENS[:3])]
+    with serve("--model", model_dir, "--num-gpu-blocks", "64") as server:
+        got = run_concurrently(server, jobs)
+    for (prompt, n), tokens in zip(jobs, got):
+        assert tokens == hf_greedy(model_dir, tokenize(model_dir, prompt), n), (arch, prompt)
