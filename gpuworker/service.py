@@ -19,10 +19,10 @@ import signal
 import subprocess
 import sys
 import traceback
-from types import FrameType
 
 import zmq
 
+from pagedserve.common.lifecycle import StopFlag
 from pagedserve.common.config import EngineConfig, add_address_args, add_engine_args, config_from_args
 from pagedserve.common.ipc import RepServer
 from pagedserve.common.metrics import add_metrics_arg, serve_worker_metrics
@@ -141,14 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         _stop_ranks(ranks, grace_s=5.0)
         return 1
 
-    stop = False
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = StopFlag()
     serve_worker_metrics(args.metrics_port, runner, args.metrics_host)
     ctx = zmq.Context()
     server: RepServer[wk.Request] = RepServer(ctx, args.worker_addr, wk.Request)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, Iterator
 
 import grpc
 

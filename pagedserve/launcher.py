@@ -14,8 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from types import FrameType
 
+from pagedserve.common.lifecycle import StopFlag
 from pagedserve.common.config import add_engine_args, config_from_args, default_addresses, engine_argv
 from pagedserve.common.default_model import resolve_model
 
@@ -66,14 +66,7 @@ def main(argv: list[str]) -> int:
               "--worker-addr", addrs.worker]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    stopping = False
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stopping = StopFlag()
     try:
         for name in COMPONENTS:
             extra = ["--host", args.host, "--port", str(args.port)] if name == "frontend" else []

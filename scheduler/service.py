@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import time
-from types import FrameType
 from typing import Any
 
 import zmq
 
 from pagedserve.common import ipc
+from pagedserve.common.lifecycle import StopFlag
 from pagedserve.common.config import add_address_args, add_engine_args, addresses_from_args, config_from_args
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import frontend as fe
@@ -35,14 +33,7 @@ def main(argv: list[str]) -> int:
     cfg = config_from_args(args)
     addrs = addresses_from_args(args)
 
-    stop = False
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = StopFlag()
 
     ctx: zmq.Context[Any] = zmq.Context()
     inbox: ipc.PullQueue[fe.Request] = ipc.PullQueue(ctx, addrs.scheduler_in, fe.Request, bind=True)

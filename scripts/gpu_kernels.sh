@@ -1,36 +1,12 @@
 #!/usr/bin/env bash
 # Kernel checks for a lent GPU (issue 4): the kernel tests, GPU-marked ones
 # included, then `pagedserve bench kernel`. Run from the repository root;
-# logs go to $OUT (default ./out). Nothing is installed: the checkout is made
-# importable as `pagedserve` by a small shim (see below). Budget: ~4 minutes.
+# logs go to $OUT (default ./out). Nothing is installed: scripts/gpu_env.sh
+# makes the checkout importable as `pagedserve`. Budget: ~4 minutes.
 set -uo pipefail
 
-ROOT="$(pwd)"
-OUT="${OUT:-$ROOT/out}"
-mkdir -p "$OUT"
 PY="${PYTHON:-python}"
-
-# The package maps top-level folders to subpackages (pagedserve.kernels ->
-# kernels/, ...). Without an install, preload `pagedserve` with a search path
-# of pagedserve/ and the repository root, so every pagedserve.X resolves to
-# the folder the editable install would use. Preloading wins over the real
-# pagedserve/ that sys.path[0] (the cwd) would otherwise find first.
-SHIM="$(mktemp -d)"
-cat > "$SHIM/pagedserve_checkout.py" <<'PYEOF'
-import importlib.util
-import os
-import sys
-
-_root = os.environ["PAGEDSERVE_ROOT"]
-_spec = importlib.util.spec_from_file_location(
-    "pagedserve", os.path.join(_root, "pagedserve", "__init__.py"),
-    submodule_search_locations=[os.path.join(_root, "pagedserve"), _root])
-_mod = importlib.util.module_from_spec(_spec)
-sys.modules["pagedserve"] = _mod
-_spec.loader.exec_module(_mod)
-PYEOF
-export PAGEDSERVE_ROOT="$ROOT"
-export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+source scripts/gpu_env.sh  # wheels, the import shim (a sitecustomize), $OUT
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$SHIM/triton-cache}"
 
@@ -38,18 +14,18 @@ export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$SHIM/triton-cache}"
   echo "== machine"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.is_available())"
-  "$PY" -c "import pagedserve_checkout, pagedserve.kernels as k, pagedserve.bench.kernel as b; print('import ok:', k.__file__, b.__file__)"
+  "$PY" -c "pagedserve.kernels as k, pagedserve.bench.kernel as b; print('import ok:', k.__file__, b.__file__)"
 } 2>&1 | tee "$OUT/env.log"
 
 echo "== pytest tests/test_kernels.py tests/test_kernels_bench.py" | tee "$OUT/pytest.log"
-timeout 170 "$PY" -c "import pagedserve_checkout, sys, pytest; sys.exit(pytest.main(sys.argv[1:]))" \
+timeout 170 "$PY" -c "sys, pytest; sys.exit(pytest.main(sys.argv[1:]))" \
   -q -rs -p no:cacheprovider --durations=15 --junitxml="$OUT/junit.xml" \
   tests/test_kernels.py tests/test_kernels_bench.py 2>&1 | tee -a "$OUT/pytest.log"
 test_rc=${PIPESTATUS[0]}
 echo "pytest exit: $test_rc" | tee -a "$OUT/pytest.log"
 
 echo "== pagedserve bench kernel" | tee "$OUT/bench.log"
-timeout 120 "$PY" -c "import pagedserve_checkout, sys; from pagedserve.cli import main; sys.exit(main(['bench', 'kernel'] + sys.argv[1:]))" \
+timeout 120 "$PY" -c "sys; from pagedserve.cli import main; sys.exit(main(['bench', 'kernel'] + sys.argv[1:]))" \
   2>&1 | tee -a "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "bench exit: $bench_rc" | tee -a "$OUT/bench.log"

@@ -13,35 +13,12 @@
 #   bench_llama8b.log    bench worker, Llama-3.1-8B's shape with RANDOM weights, bf16
 #   bench_llama8b.json
 #
-# Nothing of the repository is installed: msgspec and pyzmq come from .whl/
-# (the image has neither), and the checkout is importable as `pagedserve`
-# through the same shim as scripts/gpu_kernels.sh.
+# Nothing of the repository is installed: the carried wheels (.whl/) and the
+# import shim come from scripts/gpu_env.sh.
 set -uo pipefail
 
 PY="${PYTHON:-python3}"
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-
-ROOT="$(pwd)"
-OUT="${OUT:-$ROOT/out}"
-mkdir -p "$OUT"
-
-SHIM="$(mktemp -d)"
-cat > "$SHIM/pagedserve_checkout.py" <<'PYEOF'
-import importlib.util
-import os
-import sys
-
-_root = os.environ["PAGEDSERVE_ROOT"]
-_spec = importlib.util.spec_from_file_location(
-    "pagedserve", os.path.join(_root, "pagedserve", "__init__.py"),
-    submodule_search_locations=[os.path.join(_root, "pagedserve"), _root])
-_mod = importlib.util.module_from_spec(_spec)
-sys.modules["pagedserve"] = _mod
-_spec.loader.exec_module(_mod)
-PYEOF
-export PAGEDSERVE_ROOT="$ROOT"
-export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+source scripts/gpu_env.sh  # wheels, the import shim (a sitecustomize), $OUT
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$SHIM/triton-cache}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -51,11 +28,11 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || true
   nproc
   "$PY" -c "import sys, torch, triton, transformers, msgspec, zmq; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'msgspec', msgspec.__version__, 'pyzmq', zmq.__version__, 'gpu', torch.cuda.is_available())"
-  "$PY" -c "import pagedserve_checkout, pagedserve.gpuworker.model_runner as m, pagedserve.bench.worker as b; print('import ok:', m.__file__, b.__file__)"
+  "$PY" -c "pagedserve.gpuworker.model_runner as m, pagedserve.bench.worker as b; print('import ok:', m.__file__, b.__file__)"
 } 2>&1 | tee "$OUT/env.log"
 
 echo "== pytest tests/test_worker_gpu.py" | tee "$OUT/pytest.log"
-timeout 170 "$PY" -c "import pagedserve_checkout, sys, pytest; sys.exit(pytest.main(sys.argv[1:]))" \
+timeout 170 "$PY" -c "sys, pytest; sys.exit(pytest.main(sys.argv[1:]))" \
   -q -s -rs -p no:cacheprovider --durations=10 --junitxml="$OUT/junit.xml" \
   tests/test_worker_gpu.py 2>&1 | tee -a "$OUT/pytest.log"
 test_rc=${PIPESTATUS[0]}
@@ -65,7 +42,7 @@ bench() {  # name timeout args...
   local name=$1 limit=$2
   shift 2
   echo "== pagedserve bench worker $*" | tee "$OUT/bench_$name.log"
-  timeout "$limit" "$PY" -c "import pagedserve_checkout, sys; from pagedserve.cli import main; sys.exit(main(['bench', 'worker'] + sys.argv[1:]))" \
+  timeout "$limit" "$PY" -c "sys; from pagedserve.cli import main; sys.exit(main(['bench', 'worker'] + sys.argv[1:]))" \
     "$@" 2>&1 | tee -a "$OUT/bench_$name.log"
   local rc=${PIPESTATUS[0]}
   echo "bench exit: $rc" | tee -a "$OUT/bench_$name.log"

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.client import GenerationClient
 
@@ -35,6 +36,21 @@ class Server:
 
     def client(self) -> GenerationClient:
         return GenerationClient(self.addr)
+
+
+def wait_all_free(server: Server, timeout_s: float = 20.0) -> Any:
+    """Waits until nothing runs or waits and every KV block is free; returns ServerInfo."""
+    with server.client() as c:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = c.server_info()
+            if (info.num_free_gpu_blocks == info.num_gpu_blocks and info.num_running == 0
+                    and info.num_waiting == 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    assert info.num_running == 0 and info.num_waiting == 0 and info.num_swapped == 0, info
+    assert info.num_free_gpu_blocks == info.num_gpu_blocks, info
+    return info
 
 
 def _pid_alive(pid: int) -> bool:

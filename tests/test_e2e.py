@@ -3,7 +3,6 @@ client, and transformers' own greedy `generate` on the same weights."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import grpc
 import pytest
 import torch
 
-from e2e_util import Server, serve
+from e2e_util import Server, serve, wait_all_free
 from models import make_tiny_model
 
 
@@ -70,18 +69,6 @@ def run_concurrently(server: Server, jobs: list[tuple[str, int]]) -> list[list[i
             raise r
     return results  # type: ignore[return-value]
 
-
-def wait_all_free(server: Server, timeout_s: float = 20.0) -> None:
-    with server.client() as c:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            info = c.server_info()
-            if (info.num_free_gpu_blocks == info.num_gpu_blocks and info.num_running == 0
-                    and info.num_waiting == 0) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-    assert info.num_running == 0 and info.num_waiting == 0
-    assert info.num_free_gpu_blocks == info.num_gpu_blocks, info
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from e2e_util import Server, serve
+from e2e_util import Server, serve, wait_all_free
 from models import make_tiny_model
 from pagedserve.client import AsyncGenerationClient, Collector, GenerationClient
 from pagedserve.v1 import generation_pb2 as pb
@@ -49,19 +49,6 @@ def hf(model_dir: str) -> Any:
 
     return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
 
-
-def wait_all_free(server: Server, timeout_s: float = 20.0) -> pb.ServerInfo:
-    with server.client() as c:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            info = c.server_info()
-            if (info.num_free_gpu_blocks == info.num_gpu_blocks and info.num_running == 0
-                    and info.num_waiting == 0) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    assert info.num_running == 0 and info.num_waiting == 0 and info.num_swapped == 0, info
-    assert info.num_free_gpu_blocks == info.num_gpu_blocks, info
-    return info
 
 
 # ---------------------------------------------------------------- bounds

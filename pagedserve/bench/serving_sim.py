@@ -324,7 +324,7 @@ def main(argv: list[str]) -> int:
         fr = FIG13_RATE[w]
         batch = {s: by[(s, fr)].mean_batch for s in systems if (s, fr) in by}
         saturated = {s: max(pt.mean_batch for pt in pts if pt.system == s) for s in systems}
-        print(f"mean batch size (sequences per step while requests arrive), SIMULATED, beside the paper's Fig. 13")
+        print("mean batch size (sequences per step while requests arrive), SIMULATED, beside the paper's Fig. 13")
         print(f"{'system':>13} {f'at {fr:g} req/s':>12} {'saturated':>10} {'paper':>7}")
         for s in systems:
             paper = PAPER_BATCH[w].get(s)

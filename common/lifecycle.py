@@ -1,0 +1,21 @@
+"""Process lifecycle shared by every component's service module."""
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+
+class StopFlag:
+    """Set by SIGTERM or SIGINT; service loops poll it and then clean up
+    (close sockets, remove ipc files) instead of dying mid-reply."""
+
+    def __init__(self) -> None:
+        self._set = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._set = True
+
+    def __bool__(self) -> bool:
+        return self._set
