@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     cfg = config_from_args(args)
     resolve_model(cfg.model)  # converts the embedded model once, with progress
-    run_dir = tempfile.mkdtemp(prefix="pagedserve-run-")
+    run_dir = tempfile.mkdtemp(prefix=f"pagedserve-run-{os.getpid()}-")
     addrs = default_addresses(run_dir)
     # engine_argv carries --model only when one was given: with none, every
     # component resolves the embedded model from the cache converted above.

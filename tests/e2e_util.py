@@ -70,7 +70,6 @@ def serve(*args: str, timeout_s: float = 300.0, env: dict[str, str] | None = Non
     """Runs `pagedserve serve ARGS`, yields once it prints its address, then
     stops it with SIGINT (as Ctrl-C does) and checks nothing is left behind."""
     port = free_port()
-    run_dirs_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "pagedserve-run-*")))
     cmd = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
@@ -110,6 +109,6 @@ def serve(*args: str, timeout_s: float = 300.0, env: dict[str, str] | None = Non
             time.sleep(0.1)
         left = [n for n, p in pids.items() if _pid_alive(p)]
         assert not left, f"processes left behind after Ctrl-C: {left}"
-        stale = set(glob.glob(os.path.join(tempfile.gettempdir(), "pagedserve-run-*"))) - run_dirs_before
+        stale = glob.glob(os.path.join(tempfile.gettempdir(), f"pagedserve-run-{proc.pid}-*"))
         assert not stale, f"ipc run directories left behind: {stale}"
         assert rc == 0, "serve exited with %d:\n%s" % (rc, "".join(log[-40:]))
