@@ -40,6 +40,7 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...]
     preemption_mode: str = "recompute"  # recompute | swap | auto
     num_cpu_blocks: int = 0
+    kv_watermark: float = 0.01  # must match the blockmgr's
 
 
 @dataclass
@@ -182,7 +183,7 @@ class Scheduler:
         room = None
         if self.block_stats is not None:
             room = (self.block_stats.num_free_gpu_blocks + self._pending_free_blocks
-                    - int(0.01 * self.block_stats.num_gpu_blocks))
+                    - int(self.cfg.kv_watermark * self.block_stats.num_gpu_blocks))
         self._pending_free_blocks = 0
         for group in self.running:
             for seq in group.live_seqs:

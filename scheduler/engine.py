@@ -89,7 +89,7 @@ class EngineCore:
         assert isinstance(ready, wk.WorkerReady)
         self.ready = ready
         self._block_call(bm.InitRequest(ready.num_gpu_blocks, ready.num_cpu_blocks, ready.block_size,
-                                        cfg.enable_prefix_caching))
+                                        cfg.enable_prefix_caching, cfg.kv_watermark))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -99,6 +99,7 @@ class EngineCore:
             eos_token_ids=ready.model.eos_token_ids,
             preemption_mode=cfg.preemption_mode,
             num_cpu_blocks=ready.num_cpu_blocks,
+            kv_watermark=cfg.kv_watermark,
         ))
 
     def _worker_call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply:

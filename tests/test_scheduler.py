@@ -234,3 +234,18 @@ def test_beam_search_without_logprobs_fails_instead_of_hanging() -> None:
     assert [d.finish_reason for d in deltas if d.request_id == "beam"][-1] == "error"
     assert not core.has_work() or core.step() == []
     assert_all_free(core, blocks)
+
+
+def test_kv_watermark_holds_back_admissions() -> None:
+    """--kv-watermark reaches the blockmgr: admissions leave that share of blocks free."""
+    cfg = EngineConfig(block_size=8, kv_watermark=0.2, max_num_seqs=64, max_num_batched_tokens=4096)
+    blocks = InProcessBlockClient(lambda i: BlockManager(i.num_gpu_blocks, i.num_cpu_blocks, i.block_size,
+                                                         i.enable_prefix_caching, i.watermark))
+    core = EngineCore(cfg, blocks, InProcessWorkerClient(SimWorker(101, 4, vocab_size=VOCAB)))
+    assert blocks.manager.watermark_blocks == 20
+    for i in range(50):
+        add(core, f"r{i}", [1 + i, 2, 3, 4, 5, 6, 7, 8], 2, t=i)  # 2 blocks of 4 tokens each
+    core.step()
+    s = blocks.manager.stats()
+    assert len(core.scheduler.running) == 40 and len(core.scheduler.waiting) == 10
+    assert s.num_free_gpu_blocks == 20  # admissions stopped at the watermark
