@@ -127,7 +127,10 @@ def build_engine(system: str, reqs: list[RequestLen], cost: CostModel,
         def factory(init: bm.InitRequest) -> ContiguousBlockManager:  # type: ignore[misc]
             return ContiguousBlockManager(init.num_gpu_blocks, init.block_size, policy, lambda t: reqs[t[0]])
     cfg = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                       preemption_mode="recompute", worker="sim")  # our defaults: prefix caching, 5 % watermark
+                       preemption_mode="recompute", worker="sim",
+                       # ours: the engine defaults (prefix caching, 5 % watermark); the contiguous
+                       # managers have no watermark, so the scheduler must not assume one for them
+                       kv_watermark=EngineConfig.kv_watermark if system == "paged" else 0.0)
     return EngineCore(cfg, InProcessBlockClient(factory), worker), worker
 
 
