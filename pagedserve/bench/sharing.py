@@ -100,7 +100,8 @@ def main(argv: list[str]) -> int:
             print(f"{w:>9} {n:>3} {r['saving_pct']:>7.2f}% {ref_s:>11} {groups} {r.get('preemptions', '-'):>8}")
     print("paper: Figure 15 / section 6.3 (OPT-13B); its ShareGPT figure is a range over widths")
     print(json.dumps({"bench": "sharing", "simulated": simulated, "decoding": args.decoding, "machine": machine,
-                      "pool_slots": POOL_SLOTS, "num_requests": args.num_requests, "seed": args.seed,
+                      "pool_slots": POOL_SLOTS if simulated else None, "seed": args.seed,
+                      "num_requests": args.num_requests if simulated else args.beam_requests,
                       "results": results,
                       "paper": {f"{d}/{w}": v for (d, w), v in PAPER.items() if d == args.decoding}}))
     return 0
