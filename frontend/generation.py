@@ -24,6 +24,7 @@ from pagedserve.frontend.outputs import Chunk, Logprob, OutputState
 from pagedserve.frontend.validation import (
     Limits,
     Prepared,
+    ValidationError,
     check_cache_salt,
     check_prompt_ids,
     check_prompt_text,
@@ -107,9 +108,18 @@ class GenerationService:
         check_request_id(request.request_id)
         check_cache_salt(request.cache_salt)
         check_prompt_text(request, limits)
-        if request.WhichOneof("input") == "prompt":
+        which = request.WhichOneof("input")
+        if which == "prompt":
             ids = self.tokenize(request.prompt, add_special_tokens)
             check_prompt_ids(ids, limits, "prompt")
+        elif which == "messages":
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValidationError("messages", "this model has no chat template; send a prompt")
+            conv = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            text = str(self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True))
+            # The template already wrote the special tokens it wants.
+            ids = self.tokenize(text, add_special_tokens=False)
+            check_prompt_ids(ids, limits, "messages")
         else:
             ids = list(request.prompt_token_ids.ids)
             check_prompt_ids(ids, limits, "prompt_token_ids")

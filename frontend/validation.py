@@ -54,6 +54,10 @@ def check_request_id(rid: str, field: str = "request_id") -> None:
         raise ValidationError(field, "only letters, digits and . _ : - are allowed")
 
 
+MAX_CHAT_MESSAGES = 256
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
 def check_request_size(req: pb.GenerateRequest) -> None:
     size = req.ByteSize()
     if size > MAX_REQUEST_BYTES:
@@ -63,9 +67,18 @@ def check_request_size(req: pb.GenerateRequest) -> None:
 def check_prompt_text(req: pb.GenerateRequest, limits: Limits) -> None:
     which = req.WhichOneof("input")
     if which is None:
-        raise ValidationError("prompt", "one of prompt or prompt_token_ids is required")
+        raise ValidationError("prompt", "one of prompt, prompt_token_ids or messages is required")
     if which == "prompt":
         check_text(req.prompt, limits, "prompt")
+    elif which == "messages":
+        msgs = req.messages.messages
+        if not msgs or len(msgs) > MAX_CHAT_MESSAGES:
+            raise ValidationError("messages", f"between 1 and {MAX_CHAT_MESSAGES} messages are required")
+        for m in msgs:
+            if m.role not in CHAT_ROLES:
+                raise ValidationError("messages.role", f"must be one of {', '.join(sorted(CHAT_ROLES))}")
+        if sum(len(m.content) for m in msgs) > limits.max_prompt_chars:
+            raise ValidationError("messages", f"longer than {limits.max_prompt_chars} characters in all")
 
 
 def check_text(text: str, limits: Limits, field: str) -> None:

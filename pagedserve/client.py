@@ -22,16 +22,22 @@ from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
 Result = tuple[list[int], str, str]  # token ids, text, finish reason
+# Text, token ids, or a conversation ({"role": ..., "content": ...} dicts) that
+# the server renders with the model's chat template.
+Prompt = str | list[int] | list[dict[str, str]]
 
 
-def build_request(prompt: str | list[int], request_id: str = "", cache_salt: str = "",
+def build_request(prompt: Prompt, request_id: str = "", cache_salt: str = "",
                   **sampling: Any) -> pb.GenerateRequest:
     req = pb.GenerateRequest(request_id=request_id, cache_salt=cache_salt,
                              sampling_params=pb.SamplingParams(**sampling))
     if isinstance(prompt, str):
         req.prompt = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
+                                     for m in prompt)  # type: ignore[index]
     else:
-        req.prompt_token_ids.ids.extend(prompt)
+        req.prompt_token_ids.ids.extend(prompt)  # type: ignore[arg-type]
     return req
 
 
@@ -93,19 +99,19 @@ class GenerationClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def stream(self, prompt: str | list[int], timeout: float | None = None, request_id: str = "",
+    def stream(self, prompt: Prompt, timeout: float | None = None, request_id: str = "",
                cache_salt: str = "", **sampling: Any) -> Iterator[pb.GenerateResponse]:
         """The response stream (call ``.cancel()`` on it to stop early)."""
         return self.stub.Generate(build_request(prompt, request_id, cache_salt, **sampling), timeout=timeout,
                                   metadata=self.metadata)
 
-    def generate_all(self, prompt: str | list[int], timeout: float | None = None, **sampling: Any) -> Collector:
+    def generate_all(self, prompt: Prompt, timeout: float | None = None, **sampling: Any) -> Collector:
         col = Collector()
         for resp in self.stream(prompt, timeout, **sampling):
             col.add(resp)
         return col
 
-    def generate(self, prompt: str | list[int], timeout: float | None = None, **sampling: Any) -> Result:
+    def generate(self, prompt: Prompt, timeout: float | None = None, **sampling: Any) -> Result:
         """Token ids, text and finish reason of output 0."""
         return self.generate_all(prompt, timeout, **sampling).result(0)
 
@@ -147,20 +153,20 @@ class AsyncGenerationClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def stream(self, prompt: str | list[int], timeout: float | None = None, request_id: str = "",
+    def stream(self, prompt: Prompt, timeout: float | None = None, request_id: str = "",
                cache_salt: str = "", **sampling: Any) -> Any:
         """An async iterator of responses (a grpc.aio call: ``.cancel()`` stops it)."""
         return self.stub.Generate(build_request(prompt, request_id, cache_salt, **sampling), timeout=timeout,
                                   metadata=self.metadata)
 
-    async def generate_all(self, prompt: str | list[int], timeout: float | None = None,
+    async def generate_all(self, prompt: Prompt, timeout: float | None = None,
                            **sampling: Any) -> Collector:
         col = Collector()
         async for resp in self.stream(prompt, timeout, **sampling):
             col.add(resp)
         return col
 
-    async def generate(self, prompt: str | list[int], timeout: float | None = None, **sampling: Any) -> Result:
+    async def generate(self, prompt: Prompt, timeout: float | None = None, **sampling: Any) -> Result:
         return (await self.generate_all(prompt, timeout, **sampling)).result(0)
 
     async def abort(self, *request_ids: str) -> int:
@@ -184,6 +190,8 @@ class AsyncGenerationClient:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pagedserve generate")
     p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="send PROMPT as a user message (the model's chat template)")
+    p.add_argument("--system", default=None, help="with --chat: a system message first")
     p.add_argument("--addr", default="127.0.0.1:50051")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -202,7 +210,11 @@ def main(argv: list[str]) -> int:
         sampling["stop"] = args.stop
     with GenerationClient(args.addr, api_key=args.api_key, tls=args.tls_ca) as client:
         try:
-            for resp in client.stream(args.prompt, **sampling):
+            prompt: Prompt = args.prompt
+            if args.chat:
+                prompt = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                    [{"role": "user", "content": args.prompt}]
+            for resp in client.stream(prompt, **sampling):
                 for out in resp.outputs:
                     sys.stdout.write(out.text)
                     sys.stdout.flush()

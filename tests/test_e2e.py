@@ -2,6 +2,8 @@
 client, and transformers' own greedy `generate` on the same weights."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -179,12 +181,18 @@ def test_default_smollm2_greedy_over_grpc_equals_transformers() -> None:
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                      add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     expected = hf_greedy(folder, list(prompt), 8)
+    question = "What is the capital of France?"
     with serve("--num-gpu-blocks", "64") as server, server.client() as c:
         assert c.model_info().model_name == "SmolLM2-135M-Instruct"
         ids, text, _ = c.generate(list(prompt), max_tokens=8, temperature=0.0)
+        chat_ids, chat_text, _ = c.generate([{"role": "user", "content": question}], max_tokens=8, temperature=0.0)
         plain_ids, _, _ = c.generate("The capital of France is", max_tokens=6, temperature=0.0)
+        cli = subprocess.run([sys.executable, "-m", "pagedserve", "generate", "--addr", server.addr, "--chat",
+                              question, "--max-tokens", "8"], capture_output=True, text=True, timeout=60)
     assert ids == expected
     assert "Paris" in text
+    assert chat_ids == ids and chat_text == text, "messages are rendered with the model's chat template"
+    assert cli.returncode == 0 and "Paris" in cli.stdout
     assert plain_ids == hf_greedy(folder, tokenize(folder, "The capital of France is"), 6)
 
 
@@ -224,3 +232,19 @@ def test_other_families_greedy_over_grpc_equals_transformers(tmp_path: Path, arc
         got = run_concurrently(server, jobs)
     for (prompt, n), tokens in zip(jobs, got):
         assert tokens == hf_greedy(model_dir, tokenize(model_dir, prompt), n), (arch, prompt)
+
+
+@pytest.mark.parametrize("messages,message", [([], "messages: between 1 and"),
+                                              ([("wizard", "hi")], "messages.role: must be one of")])
+def test_bad_chat_messages_are_invalid_argument(llama_server: Server, messages: list[tuple[str, str]],
+                                               message: str) -> None:
+    from pagedserve.v1 import generation_pb2 as pb
+
+    req = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c)
+                                                                for r, c in messages]))
+    with llama_server.client() as c:
+        with pytest.raises(grpc.RpcError) as err:
+            list(c.stub.Generate(req, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+        ids, _, _ = c.generate([{"role": "user", "content": "Hello"}], max_tokens=3, temperature=0.0)
+        assert ids

@@ -55,7 +55,7 @@ def hf(model_dir: str) -> Any:
 # (request fields, sampling fields, text the error must contain: field name and bound)
 BAD = [
     ({"prompt": ""}, {}, "prompt: must not be empty"),
-    ({"no_prompt": True}, {}, "prompt: one of prompt or prompt_token_ids is required"),
+    ({"no_prompt": True}, {}, "prompt: one of prompt, prompt_token_ids or messages is required"),
     ({"prompt": "x" * 1_000_001}, {}, "prompt: longer than 1000000 characters"),
     ({"prompt": "word " * 600}, {}, "max_model_len=512"),
     ({"prompt_token_ids": [1, 2, 509]}, {}, "prompt_token_ids: token id 509 is outside the vocabulary (vocab_size=509)"),
