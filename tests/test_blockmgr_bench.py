@@ -77,3 +77,12 @@ def test_bench_sharing_small(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_sharing.main(["--workloads", "alpaca", "--widths", "2,4", "--num-requests", "500"]) == 0
     res = last_json(capsys)["results"]["alpaca"]
     assert 0 < res["2"]["saving_pct"] < res["4"]["saving_pct"] < 50
+
+
+def test_bench_memory_full_size_paged_token_state_at_least_97_percent(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 3, acceptance 3, at the benchmark's own default size (about a second)."""
+    assert bench_memory.main(["--workloads", "sharegpt"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]["sharegpt"]
+    assert res["paged"]["token_state"] >= 97.0, res["paged"]
+    for system in ("orca_max", "orca_pow2", "orca_oracle"):
+        assert res[system]["token_state"] < 50.0, (system, res[system])
