@@ -30,12 +30,24 @@ def _die_with_parent() -> None:
         pass
 
 
+def _health_channel(addr: str) -> "grpc.Channel":  # type: ignore[name-defined]
+    """Plaintext, or TLS when the frontend will serve TLS (PAGEDSERVE_TLS_CERT,
+    which it reads too); the certificate itself, or PAGEDSERVE_TLS_CA, is the root."""
+    import grpc
+
+    cert = os.environ.get("PAGEDSERVE_TLS_CERT")
+    if not cert:
+        return grpc.insecure_channel(addr)
+    with open(os.environ.get("PAGEDSERVE_TLS_CA") or cert, "rb") as f:
+        return grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=f.read()))
+
+
 def wait_healthy(addr: str, timeout_s: float, alive: "callable[[], bool]") -> bool:  # type: ignore[valid-type]
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(addr) as ch:
+    with _health_channel(addr) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline and alive():
             try:
