@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 from pagedserve.common.lifecycle import StopFlag
 from pagedserve.common.config import add_engine_args, config_from_args, default_addresses, engine_argv
@@ -30,7 +31,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _health_channel(addr: str) -> "grpc.Channel":  # type: ignore[name-defined]
+def _health_channel(addr: str) -> Any:  # a grpc.Channel (grpc is imported lazily)
     """Plaintext, or TLS when the frontend will serve TLS (PAGEDSERVE_TLS_CERT,
     which it reads too); the certificate itself, or PAGEDSERVE_TLS_CA, is the root."""
     import grpc

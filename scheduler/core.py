@@ -144,7 +144,7 @@ class Scheduler:
             return group.params.n
         return max(len(group.live_seqs), group.params.beam_width if group.beam else 1)
 
-    def _fork_children(self, group: SequenceGroup) -> list[bm.Op]:
+    def _fork_children(self, plan: _StepPlan, group: SequenceGroup) -> list[bm.Op]:
         """The first sequence has prefilled all but the prompt's last token:
         the other n-1 fork from it, and each computes that token (copy-on-write
         gives each its own copy of a shared, partly filled last block)."""
@@ -156,7 +156,7 @@ class Scheduler:
             group.seqs.append(child)
             self._track(group, child)
             ops.append(bm.Fork(parent.seq_id, child.seq_id))
-            self._plan.await_fork[child.seq_id] = child  # type: ignore[union-attr]
+            plan.await_fork[child.seq_id] = child
         group.forked = True
         return ops
 
@@ -173,7 +173,7 @@ class Scheduler:
         self._pending_frees = []
         for group in self.running:
             if group.needs_fork and self._todo(group, group.seqs[0]) == 0:
-                ops += self._fork_children(group)
+                ops += self._fork_children(plan, group)
         budget = self.cfg.max_num_batched_tokens
         bs = self.cfg.block_size
         # Blocks likely free for admissions: the last reply's count, plus what

@@ -85,6 +85,7 @@ class EngineCore:
         self.cfg = cfg
         self.blockmgr = blockmgr
         self.worker = worker
+        self.last_step_s = 0.0  # wall time of the last worker call
         ready = self._worker_call(wk.InitWorker(), init_timeout_s)
         assert isinstance(ready, wk.WorkerReady)
         self.ready = ready

@@ -7,17 +7,17 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_scheduler import RecordingWorker
 
 from pagedserve.bench.contiguous import ContiguousBlockManager, ContiguousError
 from pagedserve.bench.memory import POOL_SLOTS, reserve
 from pagedserve.bench.workloads import RequestLen, sharegpt_like
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.messages import blockmgr as bm
-from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.frontend import AddRequest
 from pagedserve.common.messages.types import SamplingParams
 from pagedserve.gpuworker.sim_worker import SimWorker, expected_output
-from pagedserve.scheduler.engine import EngineCore, InProcessBlockClient, InProcessWorkerClient
+from pagedserve.scheduler.engine import EngineCore, InProcessBlockClient
 
 BS = 16
 PAPER_BLOCKS = POOL_SLOTS // BS + 1  # 15,728 slots + the null block
@@ -114,17 +114,6 @@ def test_random_trace_keeps_integrity() -> None:
     assert nxt > 100 and m.num_no_room > 0
 
 
-class Recording(InProcessWorkerClient):
-    def __init__(self, runner: SimWorker) -> None:
-        super().__init__(runner)
-        self.steps: list[wk.ExecuteStep] = []
-
-    def call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply:
-        if isinstance(req, wk.ExecuteStep):
-            self.steps.append(req)
-        return super().call(req, timeout_s)
-
-
 @pytest.mark.parametrize("policy", ["orca_max", "orca_pow2", "orca_oracle"])
 def test_real_scheduler_runs_unchanged_on_contiguous(policy: str) -> None:
     """Same Scheduler, small pool, slot-level validation in the sim worker:
@@ -141,7 +130,7 @@ def test_real_scheduler_runs_unchanged_on_contiguous(policy: str) -> None:
         return holder["m"]
 
     vocab = 500
-    worker = Recording(SimWorker(num_blocks, bs, 0, vocab, max_model_len=max_len, validate=True))
+    worker = RecordingWorker(SimWorker(num_blocks, bs, 0, vocab, max_model_len=max_len, validate=True))
     cfg = EngineConfig(block_size=8, max_num_seqs=64, max_num_batched_tokens=32, enable_prefix_caching=False)
     core = EngineCore(cfg, InProcessBlockClient(factory), worker)
     prompts = {i: [i] + [rng.randrange(1, vocab) for _ in range(r.prompt_len - 1)] for i, r in lens.items()}
