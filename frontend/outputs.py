@@ -35,25 +35,26 @@ class StopChecker:
         """Returns (text safe to release, matched stop string or None).
         On a match the released text ends just before the stop string."""
         buf = self._held + text
-        best: tuple[int, str] | None = None
-        for s in self.stops:
-            i = buf.find(s)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is not None:
+        best = first_stop(buf, self.stops)
+        # The earliest position where a longer stop string may still be completing:
+        # a complete match after it is not yet the earliest one.
+        pending = next((j for j in range(max(0, len(buf) - self._max_hold), len(buf))
+                        if buf[j] in self._firsts
+                        and any(len(s) > len(buf) - j and s.startswith(buf[j:]) for s in self.stops)), None)
+        if best is not None and (pending is None or best[0] <= pending):
             self._held = ""
             return buf[:best[0]], best[1]
-        hold = 0
-        for k in range(min(len(buf), self._max_hold), 0, -1):
-            if buf[-k] in self._firsts and any(s.startswith(buf[-k:]) for s in self.stops):
-                hold = k
-                break
-        self._held = buf[len(buf) - hold:] if hold else ""
-        return (buf[:len(buf) - hold] if hold else buf), None
+        if pending is None:
+            self._held = ""
+            return buf, None
+        self._held = buf[pending:]
+        return buf[:pending], None
 
-    def flush(self) -> str:
-        out, self._held = self._held, ""
-        return out
+    def flush(self) -> tuple[str, str | None]:
+        """At the end of the output: the held text, cut at a stop string it holds."""
+        held, self._held = self._held, ""
+        hit = first_stop(held, self.stops)
+        return (held, None) if hit is None else (held[:hit[0]], hit[1])
 
 
 def first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
@@ -158,10 +159,15 @@ class OutputState:
         if self._stop is None:
             self._release(chunk, None)
         if final and not self.finished:
+            matched = None
             if self._stop is not None:
-                chunk.text += self._stop.flush()
+                tail, matched = self._stop.flush()
+                chunk.text += tail + (matched if matched is not None and self._include_stop else "")
             self._release(chunk, None)
             chunk.finish_reason = d.finish_reason
+            if matched is not None:
+                chunk.finish_reason, chunk.stop_reason = "stop", matched
+                self.stopped_by_string = True
             self.finished = True
         if self.finished and self._want_logprobs:
             chunk.cumulative_logprob = d.cumulative_logprob if d.cumulative_logprob is not None \
