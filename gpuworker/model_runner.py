@@ -44,6 +44,7 @@ from pagedserve.gpuworker.layers import PagedAttention
 from pagedserve.gpuworker.loader import eos_token_ids, iter_weights, load_hf_config
 from pagedserve.gpuworker.models import build_model
 from pagedserve.gpuworker.sampler import Sampler
+from pagedserve.gpuworker.structured import StructuredDecoding
 from pagedserve.kernels import get_attention_backend
 
 CPU_DEFAULT_KV_BYTES = 256 << 20
@@ -88,6 +89,7 @@ class ModelRunner:
         self.ready: WorkerReady | None = None
         self.profile: dict[str, int] = {}  # CUDA memory profile (bytes), when the pool was sized from it
         self.tokens_computed = 0  # cumulative, read by the --metrics-port hook
+        self.structured = StructuredDecoding(None, 0, ())  # grammar matchers (rank 0), set up by init
 
     # ---- start-up -------------------------------------------------------
     def init(self) -> WorkerReady:
@@ -122,6 +124,7 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim  # this rank's heads
         self.vocab_size = hf.vocab_size
         self.sampler = Sampler(cfg.seed, eos)  # before sizing: the CUDA profile runs it
+        self.structured = StructuredDecoding(None if self.source else resolve_model(cfg.model), self.vocab_size, eos)
         per_block = bytes_per_block(self.num_layers, cfg.block_size, self.num_kv_heads, self.head_dim, self.dtype)
         # Each rank sizes its own pool from its own memory; the block ids are
         # shared, so the group agrees on the smallest count.
@@ -212,6 +215,7 @@ class ModelRunner:
     def _reset(self) -> None:
         self.seqs.clear()
         self.last_logits.clear()
+        self.structured.clear()
 
     def execute(self, step: ExecuteStep) -> StepResult:
         if self.ready is None:
@@ -245,6 +249,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         for seq_id in step.finished:
             self.seqs.pop(seq_id, None)
+            self.structured.drop(seq_id)
         for new in step.new_seqs:
             self._add(new)
         for diff in step.block_diffs:
@@ -284,6 +289,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.sample_token_idx]).float()
             if self.tp.is_driver:
                 try:
+                    self.structured.apply(logits, seqs)  # grammar masks, one batched bitmask
                     out = self.sampler(logits, seqs)
                     token_ids, logprobs, tops = out.token_ids, out.logprobs, out.top_logprobs
                 except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks hear of it
@@ -303,6 +309,7 @@ class ModelRunner:
         self.tokens_computed += len(batch.input_ids)
         for tok in sampled:
             self.seqs[tok.seq_id].token_ids.append(tok.token_id)
+        self.structured.advance([(t.seq_id, t.token_id) for t in sampled])
         return StepResult(step.step_id, sampled, time.perf_counter() - t0, prompt_lps)
 
     def _prompt_logprobs(
@@ -338,6 +345,8 @@ class ModelRunner:
         self.seqs[new.seq_id] = SeqState(
             new.seq_id, list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.params, new.num_prompt_tokens
         )
+        if self.tp.is_driver:  # rank 0 samples: its matcher replays what was generated already
+            self.structured.add(new.seq_id, new.params, new.token_ids[new.num_prompt_tokens:])
 
     def _seq(self, seq_id: int) -> SeqState:
         try:

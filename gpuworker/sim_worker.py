@@ -191,6 +191,8 @@ class SimWorker:
         for ns in step.new_seqs:
             if ns.seq_id in self.seqs:
                 raise SimulationError(f"seq {ns.seq_id} sent twice as new")
+            if ns.params.structured is not None:  # its random tokens cannot follow a grammar: say so
+                raise SimulationError(f"seq {ns.seq_id}: structured outputs need the model worker, not --worker sim")
             self.seqs[ns.seq_id] = _SeqState(list(ns.token_ids), list(ns.block_ids), ns.num_computed_tokens,
                                              ns.num_prompt_tokens, ns.params.seed)
         for d in step.block_diffs:

@@ -4,6 +4,14 @@ from __future__ import annotations
 import msgspec
 
 
+class StructuredSpec(msgspec.Struct, frozen=True, array_like=True):
+    """A grammar the output must follow; the frontend validated it, the worker
+    compiles it (xgrammar) and masks the logits of every step with it."""
+
+    kind: str  # "json" (schema text) | "json_object" | "regex" | "choice" (JSON list of strings) | "grammar" (EBNF)
+    spec: str = ""
+
+
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """Engine-side sampling parameters; the frontend validates them first."""
 
@@ -28,6 +36,7 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    structured: StructuredSpec | None = None  # structured outputs (never with beam search)
 
     @property
     def greedy(self) -> bool:

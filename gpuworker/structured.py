@@ -1,0 +1,179 @@
+"""Structured outputs in the worker: grammars compiled with xgrammar, one
+``GrammarMatcher`` per constrained sequence, one batched token bitmask per step.
+
+Per step, before sampling, ``apply`` fills one bitmask row for every
+constrained sequence of the batch and masks those logits rows in place (the
+CPU kernel on CPU, xgrammar's GPU kernel on CUDA); after sampling, ``advance``
+feeds each matcher its sampled token. Once a grammar is complete its matcher
+allows only the model's EOS ids, so a constrained sequence always ends with
+EOS (the scheduler finishes it) or at max_tokens.
+
+A recompute preemption (or any re-sent ``NewSeq``) rebuilds the matcher by
+replaying the already generated tokens; swapped sequences keep theirs; each
+sample of ``n > 1`` arrives as its own ``NewSeq`` and gets its own matcher.
+Compiled grammars are cached by spec. xgrammar is imported on first use, so a
+worker that never sees a spec does not need it.
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from pagedserve.common.messages.types import SamplingParams, StructuredSpec
+
+MAX_CACHED_GRAMMARS = 256
+
+
+class ConstrainedRow(Protocol):
+    seq_id: int
+    params: SamplingParams
+
+
+def grammar_source(spec: StructuredSpec) -> tuple[str, str]:
+    """(method, argument) for ``xgrammar.Grammar``/``GrammarCompiler``; shared
+    with the frontend's validation so both parse the spec the same way.
+    JSON is compact (no free whitespace: a model cannot pad it forever)."""
+    if spec.kind == "json":
+        return "json_schema", spec.spec
+    if spec.kind == "json_object":
+        return "json_object", ""
+    if spec.kind == "regex":
+        return "regex", spec.spec
+    if spec.kind == "choice":
+        choices = json.loads(spec.spec)
+        return "ebnf", "root ::= " + " | ".join(ebnf_literal(c) for c in choices)
+    if spec.kind == "grammar":
+        return "ebnf", spec.spec
+    raise ValueError(f"unknown structured output kind {spec.kind!r}")
+
+
+def ebnf_literal(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ord(ch) < 0x20:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def parse_grammar(spec: StructuredSpec) -> Any:
+    """The xgrammar ``Grammar`` of a spec (no tokenizer); raises on a bad one."""
+    import xgrammar as xgr
+
+    method, arg = grammar_source(spec)
+    if method == "json_schema":
+        return xgr.Grammar.from_json_schema(arg, any_whitespace=False)
+    if method == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    if method == "regex":
+        return xgr.Grammar.from_regex(arg)
+    return xgr.Grammar.from_ebnf(arg)
+
+
+class StructuredDecoding:
+    """``tokenizer_dir``: the model folder (None: no tokenizer, every spec is
+    refused). ``vocab_size``: the logits' width."""
+
+    def __init__(self, tokenizer_dir: str | None, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.matchers: dict[int, Any] = {}
+        self._compiler: Any = None
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self.compiled = 0  # grammars compiled (cache misses), for tests
+
+    def compiler(self) -> Any:
+        if self._compiler is None:
+            if self.tokenizer_dir is None:
+                raise ValueError("structured outputs need the model's tokenizer; this worker has none")
+            import xgrammar as xgr
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+            info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size,
+                                                      stop_token_ids=list(self.eos_token_ids) or None)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        return self._compiler
+
+    def compile(self, spec: StructuredSpec) -> Any:
+        key = (spec.kind, spec.spec)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        compiler = self.compiler()
+        compiled = compiler.compile_grammar(parse_grammar(spec))
+        self.compiled += 1
+        self._cache[key] = compiled
+        if len(self._cache) > MAX_CACHED_GRAMMARS:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def add(self, seq_id: int, params: SamplingParams, output_ids: Sequence[int]) -> None:
+        """A (re-)sent sequence: a fresh matcher that has seen ``output_ids``."""
+        self.matchers.pop(seq_id, None)
+        if params.structured is None:
+            return
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(self.compile(params.structured))
+        for i, t in enumerate(output_ids):
+            if not matcher.accept_token(t):
+                raise ValueError(f"seq {seq_id}: generated token {t} (output position {i}) breaks its grammar")
+        self.matchers[seq_id] = matcher
+
+    def drop(self, seq_id: int) -> None:
+        self.matchers.pop(seq_id, None)
+
+    def clear(self) -> None:
+        self.matchers.clear()
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[ConstrainedRow]) -> None:
+        """Mask ``logits`` [len(rows), vocab] in place: one bitmask for all
+        constrained rows of the batch."""
+        if not self.matchers:
+            return
+        idx = [i for i, r in enumerate(rows) if r.seq_id in self.matchers]
+        if not idx:
+            return
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for i in idx:
+            m = self.matchers[rows[i].seq_id]
+            if m.is_terminated():  # only EOS is left (the scheduler ends it on that token)
+                self._eos_only(bitmask, i)
+            else:
+                m.fill_next_token_bitmask(bitmask, i)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        vocab_size=self.vocab_size, indices=idx)
+
+    def _eos_only(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        for t in self.eos_token_ids:
+            word, bit = divmod(t, 32)
+            value = int(bitmask[row, word]) | (1 << bit)
+            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+    def advance(self, sampled: Sequence[tuple[int, int]]) -> None:
+        """Feed each constrained sequence its sampled (seq_id, token)."""
+        for seq_id, tok in sampled:
+            m = self.matchers.get(seq_id)
+            if m is None or m.is_terminated():
+                continue
+            if not m.accept_token(tok):
+                raise RuntimeError(f"seq {seq_id}: sampled token {tok} is outside its grammar (mask not applied?)")
