@@ -12,6 +12,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -73,6 +74,7 @@ class EngineConfig:
     # frontend bounds
     max_prompt_chars: int = 1_000_000
     max_stop_ids: int = 64
+    shutdown_timeout: float = 0.0  # seconds SIGTERM waits for in-flight requests
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32):
@@ -93,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be at least 2")
+        if not 0.0 <= self.shutdown_timeout <= 3600.0:
+            raise ValueError(f"shutdown_timeout must be in [0, 3600] seconds, got {self.shutdown_timeout}")
 
     @property
     def torch_dtype_name(self) -> str:
@@ -101,30 +105,80 @@ class EngineConfig:
         return "float32" if self.device == "cpu" else "bfloat16"
 
 
+def env(name: str, default: Any = None) -> Any:
+    """``PAGEDSERVE_<NAME>`` when set and non-empty, else ``default``. Every
+    flag's environment variable is read here; argparse converts a string
+    default with the flag's ``type``."""
+    v = os.environ.get("PAGEDSERVE_" + name)
+    return default if v in (None, "") else v
+
+
+def env_flag(name: str, default: bool | None) -> bool | None:
+    v = env(name)
+    return default if v is None else str(v).strip().lower() in ("1", "true", "yes", "on")
+
+
+def helptext(text: str, env_name: str | None) -> str:
+    """Help that states the default and the environment variable."""
+    tail = f"; env PAGEDSERVE_{env_name}" if env_name else ""
+    return f"{text} (default: %(default)s{tail})"
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
-    p.add_argument("--model", default=os.environ.get("PAGEDSERVE_MODEL"), help="local Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default=os.environ.get("PAGEDSERVE_DEVICE", d.device))
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--block-size", type=int, default=d.block_size, choices=[8, 16, 32])
+
+    def arg(*flags: str, env_name: str, default: Any, text: str, **kw: Any) -> None:
+        target = kw.pop("group", p)
+        # Flag actions get their default already read from the environment (env_flag).
+        value = default if "action" in kw else env(env_name, default)
+        target.add_argument(*flags, default=value, help=helptext(text, env_name), **kw)
+
+    arg("--model", env_name="MODEL", default=None,
+        text="local Hugging Face folder, or a hub id org/name found in the local Hugging Face cache "
+             "($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub; never downloaded); "
+             "none: the embedded SmolLM2-135M-Instruct")
+    arg("--device", env_name="DEVICE", default=d.device, text="cpu, cuda or cuda:N")
+    arg("--dtype", env_name="DTYPE", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"],
+        text="weights and KV dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    arg("--block-size", env_name="BLOCK_SIZE", default=d.block_size, type=int, choices=[8, 16, 32],
+        text="tokens per KV block")
     mem = p.add_mutually_exclusive_group()
-    mem.add_argument("--num-gpu-blocks", type=int, default=None)
-    mem.add_argument("--kv-cache-memory", type=parse_size, default=None, help="bytes for the KV pool, e.g. 512MiB")
-    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    p.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of CPU swap space")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--kv-watermark", type=float, default=d.kv_watermark,
-                   help="share of KV blocks kept free when admitting new requests")
-    p.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap", "auto"])
-    p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--enforce-eager", action="store_true", default=None, help="never capture CUDA graphs")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
-    p.add_argument("--worker", default=d.worker, choices=["model", "sim"],
-                   help="sim: a SIMULATED worker (no model; step times from a cost model)")
+    arg("--num-gpu-blocks", "--num-gpu-blocks-override", dest="num_gpu_blocks", env_name="NUM_GPU_BLOCKS",
+        default=None, type=int, group=mem, text="KV blocks in the pool, instead of sizing it from memory")
+    arg("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", env_name="KV_CACHE_MEMORY",
+        default=None, type=parse_size, group=mem,
+        text="bytes for the KV pool, e.g. 512MiB or 1073741824; none: --gpu-memory-utilization on CUDA, "
+             "a fixed size on CPU")
+    arg("--gpu-memory-utilization", env_name="GPU_MEMORY_UTILIZATION", default=d.gpu_memory_utilization,
+        type=float, text="share of GPU memory for weights, activations and the KV pool")
+    arg("--swap-space", env_name="SWAP_SPACE", default=d.swap_space, type=float, text="GiB of CPU swap space")
+    arg("--max-num-seqs", env_name="MAX_NUM_SEQS", default=d.max_num_seqs, type=int,
+        text="sequences in one batch at most")
+    arg("--max-num-batched-tokens", env_name="MAX_NUM_BATCHED_TOKENS", default=d.max_num_batched_tokens,
+        type=int, text="tokens in one step at most")
+    arg("--max-model-len", env_name="MAX_MODEL_LEN", default=None, type=int,
+        text="prompt plus output tokens at most; none: the model's own")
+    arg("--enable-prefix-caching", env_name="ENABLE_PREFIX_CACHING",
+        default=env_flag("ENABLE_PREFIX_CACHING", d.enable_prefix_caching), action=argparse.BooleanOptionalAction,
+        text="share the KV blocks of common prompt prefixes")
+    # The earlier spelling, kept working.
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="same as --no-enable-prefix-caching")
+    arg("--kv-watermark", env_name="KV_WATERMARK", default=d.kv_watermark, type=float,
+        text="share of KV blocks kept free when admitting new requests")
+    arg("--preemption-mode", env_name="PREEMPTION_MODE", default=d.preemption_mode,
+        choices=["recompute", "swap", "auto"], text="how a preempted request gives back its blocks")
+    arg("--attention-backend", env_name="ATTENTION_BACKEND", default=d.attention_backend,
+        choices=["auto", "torch", "triton"], text="auto: triton on CUDA, torch on CPU")
+    arg("--seed", env_name="SEED", default=d.seed, type=int, text="seed of the sampler's generators")
+    arg("--enforce-eager", env_name="ENFORCE_EAGER", default=env_flag("ENFORCE_EAGER", False),
+        action="store_true", text="never capture CUDA graphs")
+    arg("--tensor-parallel-size", "-tp", env_name="TENSOR_PARALLEL_SIZE", default=d.tensor_parallel_size,
+        type=int, text="GPUs one model is sharded over")
+    arg("--worker", env_name="WORKER", default=d.worker, choices=["model", "sim"],
+        text="sim: a SIMULATED worker (no model; step times from a cost model)")
+    arg("--shutdown-timeout", env_name="SHUTDOWN_TIMEOUT", default=d.shutdown_timeout, type=float,
+        text="seconds SIGTERM waits for in-flight requests to finish before stopping")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

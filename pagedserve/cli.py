@@ -27,6 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from pagedserve.serve_args import version
+
+        print(f"pagedserve {version()}")
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
         if not rest or rest[0].startswith("-"):

@@ -1,12 +1,12 @@
 """``pagedserve serve``: starts the four components locally over ipc:// sockets
 in a private run directory, waits until the frontend reports SERVING, prints
-the address, and on Ctrl-C / SIGTERM stops every child and removes the
-sockets. Children also die with the launcher (PR_SET_PDEATHSIG), so none is
+the addresses, and on Ctrl-C / SIGTERM stops every child (the frontend first,
+draining up to --shutdown-timeout) and removes the sockets. Children also die with the launcher (PR_SET_PDEATHSIG), so none is
 orphaned even if the launcher is killed."""
 from __future__ import annotations
 
-import argparse
 import ctypes
+import dataclasses
 import os
 import shutil
 import signal
@@ -17,8 +17,10 @@ import time
 from typing import Any
 
 from pagedserve.common.lifecycle import StopFlag
-from pagedserve.common.config import add_engine_args, config_from_args, default_addresses, engine_argv
+from pagedserve.common.config import default_addresses, engine_argv
 from pagedserve.common.default_model import resolve_model
+from pagedserve.common.hub_cache import ModelNotFound
+from pagedserve.serve_args import ServeArgs, parse_serve_args
 
 COMPONENTS = ("blockmgr", "gpuworker", "scheduler", "frontend")
 
@@ -61,40 +63,51 @@ def wait_healthy(addr: str, timeout_s: float, alive: "callable[[], bool]") -> bo
     return False
 
 
+def _frontend_args(sa: ServeArgs) -> list[str]:
+    out = ["--host", sa.host, "--port", str(sa.grpc_port), "--http-port", str(sa.http_port),
+           "--served-model-name", *sa.served_model_names]
+    if sa.api_key_file:
+        out += ["--api-key-file", sa.api_key_file]
+    return out
+
+
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pagedserve serve", description="Start all four components locally.")
-    add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--start-timeout", type=float, default=1800.0)
-    args = p.parse_args(argv)
-    cfg = config_from_args(args)
-    resolve_model(cfg.model)  # converts the embedded model once, with progress
+    sa = parse_serve_args(argv)
+    try:
+        # A hub id or the embedded model becomes a folder here, once (the
+        # embedded one is converted with progress); children get the folder.
+        model_dir = resolve_model(sa.cfg.model)
+    except ModelNotFound as e:
+        print(f"pagedserve serve: error: {e}", file=sys.stderr)
+        return 2
+    cfg = dataclasses.replace(sa.cfg, model=model_dir)
     run_dir = tempfile.mkdtemp(prefix=f"pagedserve-run-{os.getpid()}-")
     addrs = default_addresses(run_dir)
-    # engine_argv carries --model only when one was given: with none, every
-    # component resolves the embedded model from the cache converted above.
     common = [*engine_argv(cfg), "--scheduler-in", addrs.scheduler_in,
               "--scheduler-out", addrs.scheduler_out, "--blockmgr-addr", addrs.blockmgr,
               "--worker-addr", addrs.worker]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("PAGEDSERVE_API_KEY", None)
+    # The key travels in the frontend's environment: a command line is world-readable in ps.
+    fe_env = dict(env, **({"PAGEDSERVE_API_KEY": sa.api_key} if sa.api_key else {}))
     procs: dict[str, subprocess.Popen[bytes]] = {}
     stopping = StopFlag()
     try:
         for name in COMPONENTS:
-            extra = ["--host", args.host, "--port", str(args.port)] if name == "frontend" else []
+            extra = _frontend_args(sa) if name == "frontend" else []
             procs[name] = subprocess.Popen([sys.executable, "-m", "pagedserve", name, *common, *extra],
-                                           env=env, preexec_fn=_die_with_parent)
-        addr = f"{args.host}:{args.port}"
-        if not wait_healthy(addr, args.start_timeout, lambda: not stopping and all(
+                                           env=fe_env if name == "frontend" else env, preexec_fn=_die_with_parent)
+        addr = f"{sa.host}:{sa.grpc_port}"
+        if not wait_healthy(addr, sa.start_timeout, lambda: not stopping and all(
                 pr.poll() is None for pr in procs.values())):
             if stopping:
                 return 0
             dead = [n for n, pr in procs.items() if pr.poll() is not None]
             print(f"pagedserve: failed to start ({', '.join(dead) or 'timeout'})", file=sys.stderr)
             return 1
-        print(f"pagedserve: serving {cfg.model or 'SmolLM2-135M-Instruct'} on {addr} "
-              f"(pids {', '.join(f'{n}={pr.pid}' for n, pr in procs.items())})", flush=True)
+        scheme = "https" if os.environ.get("PAGEDSERVE_TLS_CERT") else "http"
+        print(f"pagedserve: serving {sa.served_model_names[0]}: OpenAI API at {scheme}://{sa.host}:{sa.http_port}/v1, "
+              f"gRPC on {addr} (pids {', '.join(f'{n}={pr.pid}' for n, pr in procs.items())})", flush=True)
         while not stopping:
             dead = [n for n, pr in procs.items() if pr.poll() is not None]
             if dead:
@@ -103,21 +116,22 @@ def main(argv: list[str]) -> int:
             time.sleep(0.2)
         return 0
     finally:
-        _stop_all(procs)
+        _stop_all(procs, cfg.shutdown_timeout)
         shutil.rmtree(run_dir, ignore_errors=True)
         print("pagedserve: stopped", file=sys.stderr, flush=True)
 
 
-def _stop_all(procs: dict[str, subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
-    # Frontend first so no new work arrives, then the rest.
-    for name in reversed(COMPONENTS):
-        pr = procs.get(name)
-        if pr is not None and pr.poll() is None:
+def _stop_all(procs: dict[str, subprocess.Popen[bytes]], drain_s: float = 0.0, grace_s: float = 10.0) -> None:
+    # The frontend first, alone: it drains in-flight requests (up to drain_s)
+    # while the engine behind it still runs; then the rest.
+    for group in (["frontend"], [n for n in reversed(COMPONENTS) if n != "frontend"]):
+        live = [procs[n] for n in group if n in procs and procs[n].poll() is None]
+        for pr in live:
             pr.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for pr in procs.values():
-        try:
-            pr.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pr.kill()
-            pr.wait()
+        deadline = time.monotonic() + grace_s + (drain_s if group == ["frontend"] else 0.0)
+        for pr in live:
+            try:
+                pr.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pr.kill()
+                pr.wait()

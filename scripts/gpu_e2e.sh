@@ -22,7 +22,8 @@ d = make_tiny_model("/tmp/gpu-models", "llama", seed=0)
 tok = AutoTokenizer.from_pretrained(d)
 port = _free_port()
 proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--model", d, "--device", "cuda",
-                         "--dtype", "float32", "--num-gpu-blocks", "256", "--port", str(port)])
+                         "--dtype", "float32", "--num-gpu-blocks", "256", "--grpc-port", str(port),
+                         "--port", str(_free_port())])
 ok = True
 try:
     assert wait_healthy(f"127.0.0.1:{port}", 300, lambda: proc.poll() is None), "server did not start"

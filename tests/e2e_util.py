@@ -30,9 +30,10 @@ def free_port() -> int:
 @dataclass
 class Server:
     proc: subprocess.Popen[str]
-    addr: str
+    addr: str  # gRPC host:port
     pids: dict[str, int]
     log: list[str] = field(default_factory=list)
+    http: str = ""  # the OpenAI API's base URL, http://host:port
 
     def client(self) -> GenerationClient:
         return GenerationClient(self.addr)
@@ -68,9 +69,11 @@ def _pid_alive(pid: int) -> bool:
 @contextmanager
 def serve(*args: str, timeout_s: float = 300.0, env: dict[str, str] | None = None) -> Iterator[Server]:
     """Runs `pagedserve serve ARGS`, yields once it prints its address, then
-    stops it with SIGINT (as Ctrl-C does) and checks nothing is left behind."""
+    stops it with SIGINT (as Ctrl-C does) and checks nothing is left behind.
+    gRPC and HTTP get free ports (HTTP: PAGEDSERVE_HTTP_PORT from ``env`` if given)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *args]
+    http_port = int((env or {}).get("PAGEDSERVE_HTTP_PORT") or free_port())
+    cmd = [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", str(port), "--port", str(http_port), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     log: list[str] = []
@@ -93,7 +96,8 @@ def serve(*args: str, timeout_s: float = 300.0, env: dict[str, str] | None = Non
         proc.kill()
         raise RuntimeError("server did not start:\n" + "".join(log[-60:]))
     pids = {k: int(v) for k, v in (p.split("=") for p in found["pids"].split(", "))}
-    server = Server(proc, found["addr"], pids, log)
+    scheme = "https" if (env or {}).get("PAGEDSERVE_TLS_CERT") else "http"
+    server = Server(proc, found["addr"], pids, log, f"{scheme}://127.0.0.1:{http_port}")
     try:
         yield server
     finally:

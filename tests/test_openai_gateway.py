@@ -48,9 +48,13 @@ def model_name(client: openai.OpenAI) -> str:
     return models[0].id
 
 
-def test_models_health_and_metrics(gw: tuple[Server, str], model_name: str) -> None:
+def test_models_health_and_metrics(gw: tuple[Server, str], model_name: str, model_dir: str) -> None:
+    # Served under the model as given (as vLLM); 'model' may also be the engine's own name.
+    assert model_name == model_dir
     with gw[0].client() as c:
-        assert model_name == c.model_info().model_name
+        engine_name = c.model_info().model_name
+    assert openai.OpenAI(base_url=gw[1] + "/v1", api_key="unused").completions.create(
+        model=engine_name, prompt=PROMPT, max_tokens=2).model == model_dir
     with urllib.request.urlopen(gw[1] + "/health") as r:
         assert r.status == 200 and json.load(r)["status"] == "ok"
     with urllib.request.urlopen(gw[1] + "/metrics") as r:

@@ -49,7 +49,8 @@ def run_engine(model: str | None, prompts: list[list[int]], max_tokens: int, ser
     from pagedserve.launcher import wait_healthy
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *serve_args]
+    cmd = [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", str(port), "--port", str(_free_port()),
+           *serve_args]
     if model:
         cmd += ["--model", model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,0 +1,96 @@
+"""vLLM's ``/tokenize``, ``/detokenize`` and ``/version`` on the HTTP gateway,
+with vLLM's request and response shapes. Auth as every other route."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from pagedserve.frontend.errors import ApiError
+from pagedserve.frontend.http_fields import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
+from pagedserve.frontend.validation import MAX_CHAT_MESSAGES, ValidationError, check_text, check_token_ids
+from pagedserve.serve_args import version as pagedserve_version
+
+if TYPE_CHECKING:
+    from pagedserve.frontend.http_gateway import Gateway
+
+MAX_DETOKENIZE_IDS = 1_000_000  # as gRPC Detokenize
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(400, f"{key}: must be a boolean", param=key)
+    return v
+
+
+def _conversation(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_CHAT_MESSAGES:
+        raise ApiError(400, f"messages: must be a list of 1 to {MAX_CHAT_MESSAGES} messages", param="messages")
+    conv = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+            raise ApiError(400, "messages: each message needs a role and text content", param="messages")
+        conv.append({"role": m["role"], "content": content})
+    return conv
+
+
+async def tokenize(gw: "Gateway", request: web.Request) -> web.Response:
+    body = await gw._body(request)
+    check_fields(body, TOKENIZE_FIELDS)
+    svc = gw.svc
+    if body.get("messages") is not None:
+        if body.get("prompt") is not None:
+            raise ApiError(400, "prompt: give either prompt or messages", param="prompt")
+        tok = svc.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ApiError(400, "messages: this model has no chat template", param="messages")
+        text = str(tok.apply_chat_template(_conversation(body["messages"]), tokenize=False,
+                                           add_generation_prompt=_bool(body, "add_generation_prompt", True)))
+        add_special = _bool(body, "add_special_tokens", False)  # the template wrote them
+        field = "messages"
+    else:
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise ApiError(400, "prompt: must be a string (or send messages)", param="prompt")
+        add_special = _bool(body, "add_special_tokens", True)
+        field = "prompt"
+    try:
+        check_text(text, svc.limits, field)
+    except ValidationError as e:
+        raise ApiError(400, str(e), param=field) from None
+    ids = svc.tokenize(text, add_special)
+    strs = svc.tokenizer.convert_ids_to_tokens(ids) if _bool(body, "return_token_strs", False) else None
+    return web.json_response({"count": len(ids), "max_model_len": svc.info.model.max_model_len, "tokens": ids,
+                              "token_strs": strs})
+
+
+async def detokenize(gw: "Gateway", request: web.Request) -> web.Response:
+    body = await gw._body(request)
+    check_fields(body, DETOKENIZE_FIELDS)
+    ids = body.get("tokens")
+    if (not isinstance(ids, list) or len(ids) > MAX_DETOKENIZE_IDS
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+        raise ApiError(400, f"tokens: must be a list of at most {MAX_DETOKENIZE_IDS} non-negative token ids",
+                       param="tokens")
+    try:
+        check_token_ids(ids, gw.svc.limits, "tokens")
+    except ValidationError as e:
+        raise ApiError(400, str(e), param="tokens") from None
+    # Special tokens kept, as vLLM: /tokenize then /detokenize gives the text back with them.
+    return web.json_response({"prompt": gw.svc.detokenize(ids, skip_special_tokens=False)})
+
+
+async def version(gw: "Gateway", request: web.Request) -> web.Response:
+    return web.json_response({"version": pagedserve_version()})
+
+
+def add_routes(gw: "Gateway", app: web.Application) -> None:
+    app.router.add_post("/tokenize", lambda r: tokenize(gw, r))
+    app.router.add_post("/detokenize", lambda r: detokenize(gw, r))
+    app.router.add_get("/version", lambda r: version(gw, r))
