@@ -4,6 +4,7 @@ preemption, and the CLI's table, plot and JSON line."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -79,3 +80,15 @@ def test_cli_quick_prints_table_plot_and_json(capsys: pytest.CaptureFixture[str]
     assert set(share["batch"]["ours_at_rate"]) >= {"paged", "orca_max", "orca_pow2", "orca_oracle"}
     assert out["acceptance"]["target"] == 1.7 and isinstance(out["acceptance"]["met"], bool)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_the_results_still_come_and_the_plot_is_skipped(
+        capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    png = tmp_path / "fig12.png"
+    assert ss.main(["--quick", "--plot", str(png)]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out.strip().splitlines()[-1])
+    assert out["bench"] == "serving-sim" and out["plot"] is None and out["summary"]
+    assert "matplotlib is not installed" in cap.err
+    assert not png.exists()

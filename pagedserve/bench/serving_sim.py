@@ -223,8 +223,16 @@ def sustained_rate(points: list[Point], threshold: float) -> tuple[float, str]:
     return pts[-1].rate, ">="
 
 
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot(results: dict[str, list[Point]], thresholds: dict[str, float], path: str) -> None:
-    import matplotlib
+    import matplotlib  # optional: main() checks it is there
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -337,9 +345,10 @@ def main(argv: list[str]) -> int:
         summary[w] = {"duration_s": duration, "threshold_s_per_token": thresholds[w], "sustained": sustained,
                       "ratio_vs": ratios, "batch": {"rate": fr, "ours_at_rate": batch, "ours_saturated": saturated,
                                                     "paper_at_rate": PAPER_BATCH[w]}}
-    if args.plot:
-        plot(results, thresholds, args.plot)
-        print(f"\nplot: {args.plot}")
+    # matplotlib is optional: without it the run still ends with its results, and says so.
+    can_plot = bool(args.plot) and _have_matplotlib()
+    if args.plot and not can_plot:
+        print("bench serving-sim: matplotlib is not installed; no plot (pip install matplotlib)", file=sys.stderr)
     verdict = None
     if "sharegpt" in summary and "orca_oracle" in summary["sharegpt"]["ratio_vs"]:
         ratio = summary["sharegpt"]["ratio_vs"]["orca_oracle"]
@@ -350,8 +359,11 @@ def main(argv: list[str]) -> int:
                       "paged_attention_factor": args.paged_attention_factor,
                       "duration_s": durations, "block_size": BLOCK_SIZE, "max_num_seqs": MAX_NUM_SEQS,
                       "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS, "seed": args.seed,
-                      "plot": args.plot or None, "acceptance": verdict, "summary": summary,
-                      "points": {w: [asdict(pt) for pt in pts] for w, pts in results.items()}}))
+                      "plot": args.plot if can_plot else None, "acceptance": verdict, "summary": summary,
+                      "points": {w: [asdict(pt) for pt in pts] for w, pts in results.items()}}), flush=True)
+    if can_plot:  # after the results are out, so a plotting failure loses nothing
+        plot(results, thresholds, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0
 
 
