@@ -1,0 +1,67 @@
+"""Issue 10: `bench peers` runs pagedserve and transformers on one seeded
+workload in one run, checks greedy agreement, and writes its chart. CI has
+no vLLM venv: the vLLM engine is then skipped, and the result says so."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from models import make_tiny_model
+
+from pagedserve.bench import peers
+
+
+def _result(out: str) -> dict:
+    lines = [ln for ln in out.splitlines() if ln.startswith("BENCH_PEERS_JSON ")]
+    assert len(lines) == 1, out
+    return json.loads(lines[0].split(" ", 1)[1])
+
+
+def test_bench_peers_ci_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = make_tiny_model(tmp_path, "llama", seed=0)
+    missing = tmp_path / "no-peers-venv" / "bin" / "python"
+    out_dir = tmp_path / "out"
+    assert peers.main(["--model", model, "--engines", "pagedserve,hf,vllm", "--requests", "6", "--max-output", "12",
+                       "--repeats", "3", "--workload", "alpaca,sharegpt", "--out", str(out_dir),
+                       "--peers-python", str(missing), "--serve-arg=--max-num-seqs=8"]) == 0
+    text = capsys.readouterr().out
+    res = _result(text)
+    assert res["bench"] == "peers" and res["engines"] == ["pagedserve", "hf"]
+    assert "vllm" in res["skipped"] and "vLLM skipped" in text and "vLLM CPU" not in text
+    assert "--max-num-seqs=8" in res["serve_args"]
+    for w in ("alpaca", "sharegpt"):
+        s = res["workloads"][w]
+        assert s["requests"] == 6 and 6 <= s["output_tokens"] <= 6 * 12
+        for e in ("pagedserve", "hf"):
+            assert len(s["engines"][e]["tok_s"]) == 3 and min(s["engines"][e]["tok_s"]) > 0
+            assert s["output_tokens_by_engine"][e] == s["output_tokens"]
+        ratio = s["median_ratio"]["pagedserve/hf"]
+        assert ratio > 0 and set(s["median_ratio"]) == {"pagedserve/hf"}
+        # The tiny model's logits are well separated: greedy ids must agree exactly.
+        assert s["greedy_match"]["hf"] == {"identical": 6, "of": 6, "first_divergence": []}
+        assert s["unstable_runs"] == {"pagedserve": 0, "hf": 0}
+    png = out_dir / "bench-peers.png"
+    assert res["chart"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out_dir / "bench-peers.json").read_text())["workloads"].keys() == {"alpaca", "sharegpt"}
+
+
+def test_greedy_agreement_reports_first_divergence() -> None:
+    ref = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    assert peers.greedy_agreement(ref, [[1, 2, 3], [4, 9, 6], [7, 8]]) == \
+        {"identical": 2, "of": 3, "first_divergence": [1]}
+
+
+def test_workload_is_identical_for_every_engine_and_capped() -> None:
+    a = peers.build_workload("sharegpt", 64, 0, 49152, 2048, None)
+    assert a == peers.build_workload("sharegpt", 64, 0, 49152, 2048, None)
+    assert 5000 <= sum(o for _, o in a) <= 6500  # ShareGPT-like x0.25
+    b = peers.build_workload("alpaca", 64, 0, 49152, 2048, 8)
+    assert max(o for _, o in b) == 8 and all(max(p) < 49152 for p, _ in b)
+    assert all(len(p) + o < 100 for p, o in peers.build_workload("sharegpt", 64, 0, 500, 100, None))
+
+
+def test_rounds_rotate_the_engine_order() -> None:
+    names = ["pagedserve", "hf", "vllm"]
+    firsts = {peers.rotated(names, r)[0] for r in range(3)}
+    assert firsts == set(names) and sorted(peers.rotated(names, 1)) == sorted(names)
