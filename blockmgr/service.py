@@ -20,7 +20,7 @@ import zmq
 
 from pagedserve.blockmgr.manager import BlockManager
 from pagedserve.common.config import add_address_args, add_engine_args
-from pagedserve.common.ipc import RepServer
+from pagedserve.common.ipc import BadFrame, RepServer
 from pagedserve.common.metrics import add_metrics_arg, serve_blockmgr_metrics
 from pagedserve.common.messages.blockmgr import (
     Ack,
@@ -70,7 +70,7 @@ def serve(addr: str, metrics_port: int | None = None, metrics_host: str = "127.0
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     ctx = zmq.Context()
-    server: RepServer[Request] = RepServer(ctx, addr, Request)
+    server: RepServer[Request] = RepServer(ctx, addr, Request, pin_on=(InitRequest,))
     handler = _Handler()
     serve_blockmgr_metrics(metrics_port, lambda: handler.mgr, metrics_host)
     log.info("blockmgr listening on %s", addr)
@@ -78,9 +78,13 @@ def serve(addr: str, metrics_port: int | None = None, metrics_host: str = "127.0
         while not stop:
             if not server.poll(100):
                 continue
-            raw = server.recv_raw()
             try:
-                reply = handler.handle(server.decode(raw))
+                msg = server.recv()
+            except BadFrame as e:  # counted and logged by recv; the REP socket still owes a reply
+                server.send(ErrorReply(f"refused: {e}", kind=e.kind))
+                continue
+            try:
+                reply = handler.handle(msg)
             except Exception as e:  # noqa: BLE001 - every failure becomes a reply
                 reply = ErrorReply(f"{type(e).__name__}: {e}")
             server.send(reply)  # type: ignore[arg-type]

@@ -10,9 +10,11 @@ import argparse
 import dataclasses
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from typing import Any
+
+from pagedserve.common import curve
+from pagedserve.common.rundir import default_run_dir
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -38,7 +40,8 @@ class Addresses:
 
 
 def default_addresses(run_dir: str | None = None) -> Addresses:
-    run_dir = run_dir or os.environ.get("PAGEDSERVE_RUN_DIR") or os.path.join(tempfile.gettempdir(), "pagedserve")
+    # Not a shared $TMPDIR/pagedserve: a per-user folder, checked private (rundir) before use.
+    run_dir = run_dir or os.environ.get("PAGEDSERVE_RUN_DIR") or default_run_dir()
     return Addresses(
         scheduler_in=os.environ.get("PAGEDSERVE_SCHEDULER_IN", f"ipc://{run_dir}/scheduler_in.sock"),
         scheduler_out=os.environ.get("PAGEDSERVE_SCHEDULER_OUT", f"ipc://{run_dir}/scheduler_out.sock"),
@@ -192,6 +195,9 @@ def add_address_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler-out", default=d.scheduler_out)
     p.add_argument("--blockmgr-addr", default=d.blockmgr)
     p.add_argument("--worker-addr", default=d.worker)
+    p.add_argument("--insecure-internal-tcp", action=curve.AllowInsecureAction, nargs=0, default=False,
+                   help="allow tcp:// internal sockets without CurveZMQ keys (any host that reaches the ports "
+                        "can command the engine); env PAGEDSERVE_INSECURE_INTERNAL_TCP=1")
 
 
 def addresses_from_args(args: argparse.Namespace) -> Addresses:

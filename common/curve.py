@@ -1,12 +1,18 @@
-"""Optional CurveZMQ encryption for internal sockets on tcp:// (components on
+"""CurveZMQ encryption for internal sockets on tcp:// (components on
 different hosts). ``pagedserve keygen DIR`` writes a server keypair; point
 every component at it with ``PAGEDSERVE_CURVE_KEYS=DIR``. Bound sockets then
 act as CURVE servers, and connecting sockets must know the server's public
 key (each uses a fresh client keypair), so traffic is encrypted and a peer
-without the key cannot join. ipc:// sockets stay plain: they never leave the host.
+without the key cannot join. ipc:// sockets stay plain: they never leave the
+host, and their folder is private (``rundir``).
+
+A tcp:// socket without keys is refused (``InsecureTransport``), loopback
+included: any local user can reach a loopback port. The explicit opt-out is
+``--insecure-internal-tcp`` or ``PAGEDSERVE_INSECURE_INTERNAL_TCP=1``.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -17,6 +23,29 @@ import zmq
 import zmq.auth
 
 ENV = "PAGEDSERVE_CURVE_KEYS"
+INSECURE_ENV = "PAGEDSERVE_INSECURE_INTERNAL_TCP"
+
+
+class InsecureTransport(RuntimeError):
+    """A tcp:// internal socket without CurveZMQ keys and without the opt-out."""
+
+
+def allow_insecure() -> None:
+    """The ``--insecure-internal-tcp`` opt-out (also inherited by children)."""
+    os.environ[INSECURE_ENV] = "1"
+
+
+class AllowInsecureAction(argparse.Action):
+    """``--insecure-internal-tcp``: sets the opt-out when parsed."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        allow_insecure()
+        setattr(namespace, self.dest, True)
+
+
+def insecure_allowed() -> bool:
+    return os.environ.get(INSECURE_ENV, "").lower() in ("1", "true", "yes")
 
 
 @dataclass(frozen=True)
@@ -40,8 +69,15 @@ def from_env() -> CurveKeys | None:
 
 def secure(sock: zmq.Socket[Any], addr: str, bind: bool, keys: CurveKeys | None) -> None:
     """Turn CURVE on for a tcp:// socket before it binds or connects."""
-    if keys is None or not addr.startswith("tcp://"):
+    if not addr.startswith("tcp://"):
         return
+    if keys is None:
+        if insecure_allowed():
+            return
+        raise InsecureTransport(
+            f"internal socket {addr} is tcp:// without CurveZMQ keys: anyone who reaches the port could "
+            f"send it commands. Run `pagedserve keygen DIR` and set {ENV}=DIR for every component, or opt "
+            f"out explicitly with --insecure-internal-tcp ({INSECURE_ENV}=1)")
     if bind:
         sock.curve_secretkey = keys.secret
         sock.curve_publickey = keys.public
@@ -54,10 +90,15 @@ def secure(sock: zmq.Socket[Any], addr: str, bind: bool, keys: CurveKeys | None)
 
 
 def main(argv: list[str]) -> int:
-    """pagedserve keygen DIR: write server.key and server.key_secret into DIR."""
+    """pagedserve keygen [--if-missing] DIR: write server.key and server.key_secret into DIR."""
+    if_missing = "--if-missing" in argv
+    argv = [a for a in argv if a != "--if-missing"]
     if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: pagedserve keygen DIR", file=sys.stderr)
+        print("usage: pagedserve keygen [--if-missing] DIR", file=sys.stderr)
         return 2
+    if if_missing and os.path.exists(os.path.join(argv[0], "server.key_secret")):
+        print(f"{argv[0]}/server.key_secret exists; kept")
+        return 0
     os.makedirs(argv[0], mode=0o700, exist_ok=True)
     zmq.auth.create_certificates(argv[0], "server")
     os.chmod(os.path.join(argv[0], "server.key_secret"), 0o600)

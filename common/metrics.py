@@ -42,7 +42,19 @@ def add_metrics_arg(p: argparse.ArgumentParser, component: str) -> None:
 def new_registry() -> CollectorRegistry:
     reg = CollectorRegistry()
     ProcessCollector(registry=reg)
+    reg.register(_Callback(_dropped_frames))
     return reg
+
+
+def _dropped_frames() -> Iterator[Metric]:
+    """Malformed internal-socket frames this process dropped (common/ipc.py)."""
+    from pagedserve.common.ipc import dropped_frames
+
+    m = CounterMetricFamily(PREFIX + "dropped_frames", "Malformed internal-socket frames dropped, by socket.",
+                            labels=["socket"])
+    for sock, n in sorted(dropped_frames().items()):
+        m.add_metric([sock], n)
+    yield m
 
 
 def serve_metrics(port: int | None, registry: CollectorRegistry, host: str = "127.0.0.1") -> Any:

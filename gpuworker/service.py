@@ -24,7 +24,7 @@ import zmq
 
 from pagedserve.common.lifecycle import StopFlag
 from pagedserve.common.config import EngineConfig, add_address_args, add_engine_args, config_from_args
-from pagedserve.common.ipc import RepServer
+from pagedserve.common.ipc import BadFrame, RepServer
 from pagedserve.common.metrics import add_metrics_arg, serve_worker_metrics
 from pagedserve.common.messages import worker as wk
 from pagedserve.gpuworker.distributed import create_store, init_group, rank_device
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopFlag()
     serve_worker_metrics(args.metrics_port, runner, args.metrics_host)
     ctx = zmq.Context()
-    server: RepServer[wk.Request] = RepServer(ctx, args.worker_addr, wk.Request)
+    server: RepServer[wk.Request] = RepServer(ctx, args.worker_addr, wk.Request, pin_on=(wk.InitWorker,))
     print(f"pagedserve gpuworker: serving on {args.worker_addr}", file=sys.stderr, flush=True)
     rc = 0
     try:
@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             try:
                 msg = server.recv()
-            except Exception as e:  # noqa: BLE001 - undecodable request: say so, keep serving
-                server.send(wk.WorkerError(f"bad request: {e}"))
+            except BadFrame as e:  # counted and logged by recv; the REP socket still owes a reply
+                server.send(wk.WorkerError(f"refused: {e}", kind=e.kind))
                 continue
             server.send(handle(runner, msg))
             if isinstance(msg, wk.Shutdown):

@@ -11,6 +11,9 @@ from __future__ import annotations
 import importlib
 import sys
 
+from pagedserve.common.curve import InsecureTransport
+from pagedserve.common.rundir import UnsafeRunDir
+
 _COMPONENTS = {
     "frontend": "pagedserve.frontend.service",
     "scheduler": "pagedserve.scheduler.service",
@@ -49,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in _COMPONENTS:
         print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
         return 2
-    return int(importlib.import_module(_COMPONENTS[cmd]).main(rest) or 0)
+    try:
+        return int(importlib.import_module(_COMPONENTS[cmd]).main(rest) or 0)
+    except (InsecureTransport, UnsafeRunDir) as e:  # refused internal sockets: a clear line, no traceback
+        print(f"pagedserve {cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

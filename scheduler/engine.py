@@ -6,7 +6,7 @@ Both run the same core.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import zmq
 
@@ -65,14 +65,16 @@ class InProcessWorkerClient:
 class IpcClient:
     """Request/reply over ZeroMQ with a timeout per call."""
 
-    def __init__(self, ctx: zmq.Context[Any], addr: str, reply_type: Any, timeout_s: float) -> None:
+    def __init__(self, ctx: zmq.Context[Any], addr: str, reply_type: Any, timeout_s: float,
+                 stop: Callable[[], bool] | None = None) -> None:
         self._client: ipc.ReqClient[Any] = ipc.ReqClient(ctx, addr, reply_type)
         self.timeout_s = timeout_s
+        self._stop = stop  # checked every ipc.POLL_MS while waiting (SIGTERM)
 
     def call(self, req: Any, timeout_s: float | None = None) -> Any:
         try:
-            return self._client.call(req, timeout_s or self.timeout_s)
-        except ipc.ChannelTimeout as e:
+            return self._client.call(req, timeout_s or self.timeout_s, self._stop)
+        except (ipc.ChannelTimeout, ipc.PeerLost, ipc.Interrupted, ipc.BadFrame) as e:
             raise ComponentError(str(e)) from e
 
     def close(self) -> None:

@@ -26,7 +26,11 @@ def test_compose_config_is_valid_and_complete() -> None:
     assert out.returncode == 0, out.stderr
     cfg = json.loads(out.stdout)
     services = cfg["services"]
-    assert set(services) == {"frontend", "scheduler", "blockmgr", "gpuworker"}
+    assert set(services) == {"keygen", "frontend", "scheduler", "blockmgr", "gpuworker"}
+    # CurveZMQ keys: written once by the keygen service, read by every component before it starts.
+    keygen = services.pop("keygen")
+    assert keygen["command"] == ["keygen", "--if-missing", "/keys"]
+    assert [v["target"] for v in keygen["volumes"]] == ["/keys"]
     images = {s["image"] for s in services.values()}
     assert images == {"pagedserve:latest"}
     for name, svc in services.items():
@@ -36,6 +40,9 @@ def test_compose_config_is_valid_and_complete() -> None:
         assert env["PAGEDSERVE_BLOCKMGR"] == "tcp://blockmgr:5557"
         assert env["PAGEDSERVE_WORKER"] == "tcp://gpuworker:5558"
         assert env["PAGEDSERVE_SCHEDULER_IN"] == "tcp://scheduler:5555"
+        assert env["PAGEDSERVE_CURVE_KEYS"] == "/keys" and "PAGEDSERVE_INSECURE_INTERNAL_TCP" not in env
+        assert svc["depends_on"]["keygen"]["condition"] == "service_completed_successfully", name
+        assert any(v["target"] == "/keys" and v.get("read_only") for v in svc["volumes"]), name
     devices = services["gpuworker"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
     assert [p["target"] for p in services["frontend"]["ports"]] == [50051]

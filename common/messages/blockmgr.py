@@ -144,6 +144,7 @@ class StepReply(msgspec.Struct, tag=21, array_like=True):
 
 class ErrorReply(msgspec.Struct, tag=22, array_like=True):
     message: str
+    kind: str = "error"  # "bad_frame" (did not decode) / "wrong_peer": refused, nothing changed
 
 
 class Ack(msgspec.Struct, tag=23, array_like=True):

@@ -102,6 +102,7 @@ class WorkerReady(msgspec.Struct, tag=41, array_like=True):
 
 class WorkerError(msgspec.Struct, tag=42, array_like=True):
     message: str
+    kind: str = "error"  # "bad_frame" (did not decode) / "wrong_peer": refused, nothing changed
 
 
 class WorkerAck(msgspec.Struct, tag=43, array_like=True):

@@ -1,0 +1,111 @@
+"""common/ipc.py under bad input: bad frames are dropped and counted, a REP
+server answers them and keeps its session owner, and a waiting call ends at
+once on its stop flag or when its peer disconnects."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from pagedserve.common import ipc
+from pagedserve.common.messages import blockmgr as bm
+from pagedserve.common.messages import frontend as fe
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    c: zmq.Context = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def test_pull_queue_drops_bad_frames_and_keeps_order(ctx: zmq.Context, tmp_path: Path) -> None:
+    addr = f"ipc://{tmp_path}/scheduler_in.sock"
+    pull: ipc.PullQueue[fe.Request] = ipc.PullQueue(ctx, addr, fe.Request, bind=True)
+    raw = ctx.socket(zmq.PUSH)
+    raw.connect(addr)
+    before = ipc.dropped_frames().get("scheduler_in", 0)
+    raw.send(msgspec.msgpack.encode(fe.StatsQuery(1)))
+    for bad in ([b"\xc1"], [msgspec.msgpack.encode(fe.Outputs([]))], [b"x", b"y"], [msgspec.msgpack.encode([53])]):
+        raw.send_multipart(bad)
+    raw.send(msgspec.msgpack.encode(fe.StatsQuery(2)))
+    assert pull.poll(5000)
+    assert pull.get() == fe.StatsQuery(1)
+    deadline = time.monotonic() + 5
+    got = None
+    while got is None and time.monotonic() < deadline:
+        got = pull.get_nowait()
+    assert got == fe.StatsQuery(2)
+    assert ipc.dropped_frames()["scheduler_in"] - before == 4
+    raw.close(linger=0)
+    pull.close()
+
+
+def test_rep_server_answers_bad_frames_and_keeps_its_owner(ctx: zmq.Context, tmp_path: Path) -> None:
+    addr = f"ipc://{tmp_path}/blockmgr.sock"
+    server: ipc.RepServer[bm.Request] = ipc.RepServer(ctx, addr, bm.Request, pin_on=(bm.InitRequest,))
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not server.poll(50):
+                continue
+            try:
+                msg = server.recv()
+            except ipc.BadFrame as e:
+                server.send(bm.ErrorReply(str(e), kind=e.kind))
+                continue
+            server.send(bm.Ack() if isinstance(msg, bm.InitRequest) else bm.ErrorReply("stats", kind="ok"))
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        owner: ipc.ReqClient[bm.Reply] = ipc.ReqClient(ctx, addr, bm.Reply)
+        stranger: ipc.ReqClient[bm.Reply] = ipc.ReqClient(ctx, addr, bm.Reply)
+        init = bm.InitRequest(8, 0, 16, True)
+        assert owner.call(init, 5) == bm.Ack()
+        # A stranger's garbage and its commands are refused, with the kind saying why.
+        stranger.sock.send(b"\xc1")
+        assert stranger.sock.poll(5000)
+        assert msgspec.msgpack.decode(stranger.sock.recv(), type=bm.Reply).kind == "bad_frame"
+        for cmd in (init, bm.StatsRequest()):
+            reply = stranger.call(cmd, 5)
+            assert isinstance(reply, bm.ErrorReply) and reply.kind == "wrong_peer"
+        assert owner.call(bm.StatsRequest(), 5) == bm.ErrorReply("stats", kind="ok")
+        # Once the owner's connection is gone, a new peer may take over with an Init.
+        owner.close()
+        deadline = time.monotonic() + 5
+        while (reply := stranger.call(init, 5)) != bm.Ack():
+            assert time.monotonic() < deadline, reply
+            time.sleep(0.05)
+        assert stranger.call(bm.StatsRequest(), 5) == bm.ErrorReply("stats", kind="ok")
+        stranger.close()
+    finally:
+        stop.set()
+        t.join(5)
+        server.close()
+
+
+def test_waiting_call_ends_on_stop_and_on_a_lost_peer(ctx: zmq.Context, tmp_path: Path) -> None:
+    addr = f"ipc://{tmp_path}/worker.sock"
+    peer = ctx.socket(zmq.ROUTER)
+    peer.bind(addr)
+    client: ipc.ReqClient[bm.Reply] = ipc.ReqClient(ctx, addr, bm.Reply)
+    flag = threading.Event()
+    threading.Timer(0.3, flag.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(ipc.Interrupted):
+        client.call(bm.StatsRequest(), 5, stop=flag.is_set)
+    assert time.monotonic() - t0 < 2.0
+    # The peer takes the request, then dies without answering.
+    threading.Timer(0.3, lambda: peer.close(linger=0)).start()
+    t0 = time.monotonic()
+    with pytest.raises(ipc.PeerLost):
+        client.call(bm.StatsRequest(), 5)  # ChannelTimeout (a fail) if the loss went unnoticed
+    assert time.monotonic() - t0 < 3.0
+    client.close()
