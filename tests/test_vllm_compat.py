@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import threading
 import time
 import urllib.error
@@ -240,4 +241,24 @@ def test_serve_from_a_plain_folder_path_reports_that_path(tmp_path: Path) -> Non
         c = openai.OpenAI(base_url=s.http + "/v1", api_key="unused", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["my-model"]
         assert c.completions.create(model="alias", prompt=PROMPT, max_tokens=2).model == "my-model"
+        c.close()
+
+
+def test_sigterm_waits_for_in_flight_requests_up_to_the_shutdown_timeout(tmp_path: Path) -> None:
+    tiny = make_tiny_model(tmp_path, "llama", seed=0)
+    # SIMULATED worker: 3000 tokens take seconds, well past the 1 s grace a stop had before.
+    with serve(tiny, "--worker", "sim", "--num-gpu-blocks", "512", "--max-model-len", "4096",
+               "--shutdown-timeout", "60") as s, s.client() as g:
+        stream = g.stream(PROMPT, max_tokens=3000, temperature=0.0, ignore_eos=True)
+        got = sum(len(o.token_ids) for o in next(stream).outputs)
+        s.proc.send_signal(signal.SIGTERM)  # as `docker stop` / Kubernetes do
+        finish = []
+        for resp in stream:
+            got += sum(len(o.token_ids) for o in resp.outputs)
+            finish += [o.finish_reason for o in resp.outputs if o.finish_reason]
+        assert got == 3000 and finish == ["length"]  # ran to its end, not cut off
+        assert s.proc.wait(60) == 0
+        c = openai.OpenAI(base_url=s.http + "/v1", api_key="unused", max_retries=0, timeout=10)
+        with pytest.raises(openai.APIConnectionError):  # nothing is accepted after
+            c.completions.create(model=tiny, prompt=PROMPT, max_tokens=2)
         c.close()
