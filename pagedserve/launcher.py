@@ -80,7 +80,9 @@ def main(argv: list[str]) -> int:
     except ModelNotFound as e:
         print(f"pagedserve serve: error: {e}", file=sys.stderr)
         return 2
-    cfg = dataclasses.replace(sa.cfg, model=model_dir)
+    # With no model, children resolve the embedded one from the cache converted
+    # above (and name it as before); a given model reaches them as its folder.
+    cfg = dataclasses.replace(sa.cfg, model=model_dir) if sa.cfg.model is not None else sa.cfg
     run_dir = tempfile.mkdtemp(prefix=f"pagedserve-run-{os.getpid()}-")
     addrs = default_addresses(run_dir)
     common = [*engine_argv(cfg), "--scheduler-in", addrs.scheduler_in,
