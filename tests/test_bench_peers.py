@@ -65,3 +65,17 @@ def test_rounds_rotate_the_engine_order() -> None:
     names = ["pagedserve", "hf", "vllm"]
     firsts = {peers.rotated(names, r)[0] for r in range(3)}
     assert firsts == set(names) and sorted(peers.rotated(names, 1)) == sorted(names)
+
+
+def test_serving_peer_ratios_and_missing_vllm_venv(tmp_path: Path) -> None:
+    from pagedserve.bench import serving
+    from pagedserve.bench.vllm_server import start_vllm_serve
+
+    q = {"mean": 1.0, "p50": 10.0, "p90": 1.0, "p99": 40.0}
+    ours = {k: dict(q) for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")}
+    peer = {k: {**q, "p50": 20.0, "p99": 20.0} for k in ours}
+    peer["e2e_ms"]["p99"] = None
+    r = serving._ratios(ours, peer)
+    assert r["ttft_ms_p50"] == 0.5 and r["itl_ms_p99"] == 2.0 and r["e2e_ms_p99"] is None
+    with pytest.raises(FileNotFoundError, match="setup-peers"):
+        start_vllm_serve("/nonexistent", "m", 64, 4, python=tmp_path / "bin" / "python")

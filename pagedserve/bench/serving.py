@@ -24,18 +24,13 @@ import asyncio
 import json
 import math
 import os
-import re
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from pagedserve.bench.serve_proc import ServeProc, start_serve
 from pagedserve.bench.workloads import machine_info, poisson_arrivals, sample_lengths, synthetic_prompt
 
 
@@ -172,27 +167,6 @@ def summarize(recs: list[Record], duration: float, args: argparse.Namespace, sim
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _launch(extra: str) -> tuple[subprocess.Popen[str], str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *extra.split()],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        sys.stderr.write(line)
-        if re.search(r"serving .* on (\S+)", line):
-            # Keep draining its output, or the server blocks on a full pipe.
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
-            return proc, f"127.0.0.1:{port}"
-    raise RuntimeError("pagedserve serve did not start")
-
-
 def _model_info(args: argparse.Namespace) -> Any:
     import grpc
 
@@ -205,12 +179,63 @@ def _model_info(args: argparse.Namespace) -> Any:
             raise SystemExit(f"cannot reach {args.addr}: {e.code().name}: {e.details()}") from None
 
 
+def _print(res: dict[str, Any], args: argparse.Namespace, server: str) -> None:
+    label = " (SIMULATED worker)" if res["simulated"] else ""
+    print(f"{server} bench serving{label}: {res['protocol']}, {args.workload}-like, "
+          f"{res['num_requests']} requests at {args.rate} req/s on {res['machine']}")
+    print(f"  completed {res['completed']}, rejected {res['rejected']}, failed {res['failed']} "
+          f"in {res['duration_s']} s")
+    print(f"  throughput {res['request_throughput']} req/s, {res['output_token_throughput']} output tok/s "
+          f"(achieved/offered rate {res['achieved_over_offered']})")
+    for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        print(f"  {k:8s} " + ", ".join(f"{q} {v}" for q, v in res[k].items()))
+    print(f"  goodput {res['goodput_rps']} req/s under TTFT <= {args.slo_ttft_ms} ms, "
+          f"TPOT <= {args.slo_tpot_ms} ms ({res['slo_attainment']:.0%} of requests)")
+
+
+def _ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
+    """pagedserve / peer for each latency quantile (below 1: pagedserve is faster)."""
+    out: dict[str, float | None] = {}
+    for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        for q in ("p50", "p99"):
+            a, b = ours[k][q], peer[k][q]
+            out[f"{k}_{q}"] = round(a / b, 3) if a is not None and b else None
+    return out
+
+
+def _peer_run(args: argparse.Namespace, info: Any, work: list[tuple[list[int], int]], arrivals: list[float],
+              ours: dict[str, Any]) -> int:
+    """The same load against `vllm serve` (.venv-peers) on the same model; prints both and the ratios."""
+    from pagedserve.bench.vllm_server import start_vllm_serve
+    from pagedserve.common.default_model import resolve_model
+
+    model_dir = resolve_model(args.peer_model)
+    print(f"bench serving: starting vllm serve on {model_dir}", flush=True)
+    srv = start_vllm_serve(model_dir, info.model_name, info.max_model_len, max(256, len(work)))
+    try:
+        peer_args = argparse.Namespace(**{**vars(args), "http": srv.url, "api_key": None})
+        recs, duration = asyncio.run(run_load(peer_args, work, arrivals, info.model_name))
+        peer = {**summarize(recs, duration, peer_args, False), "server": "vllm"}
+    finally:
+        srv.stop()
+    _print(peer, args, "vllm")
+    ratios = _ratios(ours, peer)
+    print(f"ratio pagedserve / vllm (below 1: pagedserve lower latency): TTFT p50 {ratios['ttft_ms_p50']}, "
+          f"p99 {ratios['ttft_ms_p99']}; ITL p50 {ratios['itl_ms_p50']}, p99 {ratios['itl_ms_p99']}")
+    print(json.dumps({"bench": "serving-peers", "rate": ours["rate"], "workload": args.workload,
+                      "pagedserve": ours, "vllm": peer, "ratio_pagedserve_over_vllm": ratios}))
+    return 0 if ours["failed"] == 0 and peer["failed"] == 0 else 1
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pagedserve bench serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--addr", default="127.0.0.1:50051", help="gRPC address (also used for model info)")
     p.add_argument("--http", default=None, help="base URL of the HTTP gateway: load it instead of gRPC")
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
     p.add_argument("--launch", default=None, metavar="ARGS", help="start `pagedserve serve ARGS` for the run")
+    p.add_argument("--peer", default=None, choices=["vllm"],
+                   help="then the same load over HTTP against `vllm serve` from .venv-peers, which it starts")
+    p.add_argument("--peer-model", default=None, help="HF folder for the peer (default: the embedded model)")
     p.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca"])
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
@@ -220,9 +245,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     args = p.parse_args(argv)
-    proc = None
+    server: ServeProc | None = None
     if args.launch is not None:
-        proc, args.addr = _launch(args.launch)
+        server = start_serve(args.launch.split(), echo=True)
+        args.addr = server.grpc_addr
+        if args.peer and not args.http:
+            if server.http_url is None:
+                raise SystemExit("this `pagedserve serve` has no HTTP API; --peer compares over HTTP")
+            args.http = server.http_url
+    if args.peer and not args.http:
+        raise SystemExit("--peer compares over HTTP: give --http URL (or --launch)")
     try:
         info = _model_info(args)
         simulated = info.model_name.startswith("simulated")
@@ -232,23 +264,13 @@ def main(argv: list[str]) -> int:
         args.offered_span = arrivals[-1] if arrivals and arrivals[-1] > 0 else None
         recs, duration = asyncio.run(run_load(args, work, arrivals, info.model_name))
         res = summarize(recs, duration, args, simulated)
-        label = " (SIMULATED worker)" if simulated else ""
-        print(f"pagedserve bench serving{label}: {res['protocol']}, {args.workload}-like, "
-              f"{res['num_requests']} requests at {args.rate} req/s on {res['machine']}")
-        print(f"  completed {res['completed']}, rejected {res['rejected']}, failed {res['failed']} "
-              f"in {res['duration_s']} s")
-        print(f"  throughput {res['request_throughput']} req/s, {res['output_token_throughput']} output tok/s "
-              f"(achieved/offered rate {res['achieved_over_offered']})")
-        for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
-            print(f"  {k:8s} " + ", ".join(f"{q} {v}" for q, v in res[k].items()))
-        print(f"  goodput {res['goodput_rps']} req/s under TTFT <= {args.slo_ttft_ms} ms, "
-              f"TPOT <= {args.slo_tpot_ms} ms ({res['slo_attainment']:.0%} of requests)")
+        _print(res, args, "pagedserve")
         print(json.dumps(res))
+        if args.peer:
+            if simulated:
+                raise SystemExit("--peer needs a real model worker, not the SIMULATED one")
+            return _peer_run(args, info, work, arrivals, {**res, "server": "pagedserve"})
         return 0 if res["failed"] == 0 else 1
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if server is not None:
+            server.stop()
