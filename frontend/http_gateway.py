@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pagedserve.frontend import openai_structured, openai_tools
 from pagedserve.frontend.auth import ApiKeys
 from pagedserve.frontend.engine_client import DuplicateRequestId
 from pagedserve.frontend import http_batch, http_extras
@@ -173,6 +174,10 @@ class Gateway:
             _set(sp, "logit_bias", entries, "logit_bias")
         if isinstance(body.get("cache_salt"), str):
             req.cache_salt = body["cache_salt"]
+        try:  # response_format, structured_outputs, guided_*: frontend/openai_structured.py
+            openai_structured.apply_structured(body, sp)
+        except ValidationError as e:
+            raise ApiError(400, str(e), param=e.field) from None
 
     def _prepare(self, req: pb.GenerateRequest, add_special_tokens: bool = True) -> Any:
         try:
@@ -229,33 +234,29 @@ class Gateway:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         check_fields(body, CHAT_FIELDS)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages: must be a non-empty list", param="messages")
-        conv = []
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise ApiError(400, "messages: each message needs a role and content", param="messages")
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise ApiError(400, "messages: only text content parts are supported", param="messages")
-                content = "".join(str(p.get("text", "")) for p in content)
-            if not isinstance(content, str):
-                raise ApiError(400, "messages: content must be a string", param="messages")
-            conv.append({"role": m["role"], "content": content})
+        try:  # messages (tool calls included), tools and tool_choice: frontend/openai_tools.py
+            conv = openai_tools.chat_messages(body.get("messages"))
+            tool_mode, tools, body = openai_tools.take_tools(body)
+        except ValidationError as e:
+            raise ApiError(400, str(e), param=e.field) from None
         tok = self.svc.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ApiError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
-        req = pb.GenerateRequest(prompt=chat_prompt(tok, conv))
+        req = pb.GenerateRequest(prompt=chat_prompt(tok, conv, tools))
         self._sampling(body, req, None)
+        if tool_mode is not None:
+            try:
+                openai_tools.enforce(tool_mode, req.sampling_params)
+            except ValidationError as e:
+                raise ApiError(400, str(e), param=e.field) from None
         if body.get("logprobs"):
             _set(req.sampling_params, "logprobs", body.get("top_logprobs") or 0, "top_logprobs")
         # The template already wrote the special tokens it wants.
         prepared = self._prepare(req, add_special_tokens=False)
         stream = await self._open(request, prepared)
         ctx = _Ctx("chatcmpl-" + uuid.uuid4().hex, "chat.completion", self._model_name(), prepared.prep.params.n)
-        return await self._run(request, body, stream, ctx, self._chat_choice)
+        choice = self._chat_choice if tool_mode is None else openai_tools.choice_formatter(tool_mode, self._chat_logprobs)
+        return await self._run(request, body, stream, ctx, choice)
 
     def _chat_logprobs(self, c: Chunk) -> dict[str, Any] | None:
         if not c.logprobs:
@@ -342,9 +343,10 @@ def _usage(stream: RequestStream) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """The templated prompt text, as a gRPC client would send it."""
-    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    """The templated prompt text, as a gRPC client would send it (tools and
+    tool calls: ``openai_tools.render_chat``)."""
+    return openai_tools.render_chat(tokenizer, messages, tools)
 
 
 async def start(gateway: Gateway, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> web.AppRunner:

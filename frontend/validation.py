@@ -182,11 +182,15 @@ def sampling_params(sp: pb.SamplingParams, prompt_len: int, limits: Limits) -> P
     prompt_logprobs = sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None
     if prompt_logprobs is not None and prompt_logprobs > MAX_LOGPROBS:
         raise ValidationError(f + "prompt_logprobs", f"must be at most {MAX_LOGPROBS}, got {prompt_logprobs}")
+    from pagedserve.frontend.structured import check_combination, spec_from_proto  # imports this module
+
+    structured = spec_from_proto(sp.structured_outputs) if sp.HasField("structured_outputs") else None
+    check_combination(structured, beam_width, sp.ignore_eos, sp.min_tokens)
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seed,
         n=n, min_tokens=sp.min_tokens, stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
         repetition_penalty=repetition_penalty, presence_penalty=sp.presence_penalty,
         frequency_penalty=sp.frequency_penalty, logit_bias=dict(sp.logit_bias), logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, beam_width=beam_width, length_penalty=length_penalty,
-        early_stopping=sp.early_stopping)
+        early_stopping=sp.early_stopping, structured=structured)
     return Prepared(params, tuple(sp.stop), sp.include_stop_str_in_output)

@@ -51,8 +51,10 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """float32 [rows, vocab] in (0, 1), a pure function of each row's key."""
     idx = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
     h = _mix32(_mix32(idx[None, :] ^ keys[:, None]) ^ ((keys[:, None] * 0x2545F491) & _M32))
-    # 24 bits are exact in float32, and +0.5 keeps u strictly inside (0, 1).
-    return ((h >> 8).float() + 0.5) / float(1 << 24)
+    # 24 bits are exact in float32 and +0.5 keeps u above 0, but the top value
+    # (2^24 - 0.5) / 2^24 rounds to 1.0: u = 1 gives infinite noise, which wins
+    # the argmax whatever the logit (even -inf: a masked token). Clamp below 1.
+    return (((h >> 8).float() + 0.5) / float(1 << 24)).clamp_(max=1.0 - 2.0**-24)
 
 
 class SampleRow(Protocol):

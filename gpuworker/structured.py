@@ -75,12 +75,31 @@ def parse_grammar(spec: StructuredSpec) -> Any:
 
     method, arg = grammar_source(spec)
     if method == "json_schema":
-        return xgr.Grammar.from_json_schema(arg, any_whitespace=False)
+        return _json_strings_fixed(xgr.Grammar.from_json_schema(arg, any_whitespace=False))
     if method == "json_object":
         return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
     if method == "regex":
         return xgr.Grammar.from_regex(arg)
     return xgr.Grammar.from_ebnf(arg)
+
+
+# xgrammar 0.2.9's JSON string characters let through raw control characters
+# (in strings with minLength/maxLength) and UTF-8-encoded surrogates (any string),
+# neither valid in JSON text, and a surrogate decodes to 3 replacement characters,
+# breaking maxLength. Such grammars are re-parsed with a strict class.
+_LOOSE_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
+_JSON_CHARS = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
+
+
+def _json_strings_fixed(grammar: Any) -> Any:
+    text = str(grammar)
+    if not any(c in text for c in _LOOSE_CHARS):
+        return grammar
+    import xgrammar as xgr
+
+    for c in _LOOSE_CHARS:
+        text = text.replace(c, _JSON_CHARS)
+    return xgr.Grammar.from_ebnf(text)
 
 
 class StructuredDecoding:

@@ -13,6 +13,8 @@ stamp="$(cat pyproject.toml setup.py $(find proto -name '*.proto' | sort) | sha2
 if [ "$(cat "$VENV/.pagedserve-stamp" 2>/dev/null)" != "$stamp" ] || [ ! -d pagedserve/v1 ]; then
   echo "pagedserve: installing dependencies into $VENV (first run takes a few minutes)" >&2
   pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  # xgrammar (structured outputs) without its dependencies: it asks for any torch.
+  "${pip[@]}" --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
   # The CPU build of torch first: an open range could pull a multi-GB CUDA build.
   "$VENV/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
   "${pip[@]}" "setuptools>=68" wheel "grpcio-tools==1.85.*"

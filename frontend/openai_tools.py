@@ -1,0 +1,242 @@
+"""Tools in ``/v1/chat/completions``: ``tools`` + ``tool_choice`` enforced with
+structured outputs, ``tool_calls`` in the answer, and assistant ``tool_calls`` /
+``tool`` messages rendered into the prompt.
+
+* ``tool_choice`` ``{"type": "function", "function": {"name": X}}``: the output
+  follows X's ``parameters`` schema and is returned as one tool call of X;
+* ``"required"``: the output is a JSON array (at least one item; one with
+  ``parallel_tool_calls: false``) of ``{"name", "parameters"}`` items, one
+  schema per tool (vLLM's form), returned as that many tool calls;
+* ``"none"``: free text (the tools are still rendered into the prompt);
+* ``"auto"`` (the default when tools are sent) is refused with 400: deciding
+  between text and a call needs a model-specific tool-call parser (vLLM refuses
+  it too unless one is configured).
+
+``finish_reason`` is ``"tool_calls"`` when the call is complete; an output cut by
+``max_tokens`` keeps ``"length"`` and returns its raw text as content.
+
+Rendering: a chat template that mentions ``tool_calls`` gets the messages as
+transformers expects them (``arguments`` as objects) and ``tools=``. Otherwise
+(e.g. SmolLM2's) a plain form: each call is appended to the assistant content as
+``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``, tool messages
+keep role ``tool``, and the tool list goes into the system message as
+``<tools>`` lines of JSON.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pagedserve.frontend.openai_structured import TOOL_FIELDS
+from pagedserve.frontend.outputs import Chunk
+from pagedserve.frontend.validation import ValidationError
+from pagedserve.v1 import generation_pb2 as pb
+
+MAX_TOOLS = 128
+MAX_TOOL_CALLS_IN_MESSAGE = 64
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    name: str | None  # a named function; None: "required"
+    schema: str  # JSON schema text the output follows
+
+
+def _tool_list(tools: Any) -> dict[str, dict[str, Any]]:
+    if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOLS:
+        raise ValidationError("tools", f"must be a list of 1 to {MAX_TOOLS} tools")
+    out: dict[str, dict[str, Any]] = {}
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
+            raise ValidationError("tools", 'each tool must be {"type": "function", "function": {...}}')
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValidationError("tools", "each function name must be 1 to 64 letters, digits, _ or -")
+        if name in out:
+            raise ValidationError("tools", f"function {name!r} is defined twice")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ValidationError("tools", f"function {name!r}: parameters must be a JSON schema object")
+        out[name] = params
+    return out
+
+
+def take_tools(body: dict[str, Any]) -> tuple[ToolMode | None, list[dict[str, Any]] | None, dict[str, Any]]:
+    """(the enforced mode, the tools to render, the body without tool fields)."""
+    rest = {k: v for k, v in body.items() if k not in TOOL_FIELDS}
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ValidationError("parallel_tool_calls", "must be true or false")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ValidationError("tool_choice", "needs tools")
+        return None, None, rest
+    funcs = _tool_list(tools)
+    if choice is None or choice == "auto":
+        raise ValidationError("tool_choice", '"auto" is not supported (no tool-call parser): send "required", '
+                                             '"none" or {"type": "function", "function": {"name": ...}}')
+    if choice == "none":
+        return None, tools, rest
+    if choice == "required":
+        items = [{"properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
+                  "required": ["name", "parameters"]} for n, p in funcs.items()]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+        if parallel is False:
+            schema["maxItems"] = 1
+        return ToolMode(None, json.dumps(schema)), tools, rest
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(fn, dict):
+        raise ValidationError("tool_choice", 'must be "none", "required", "auto" or '
+                                             '{"type": "function", "function": {"name": ...}}')
+    name = fn.get("name")
+    if name not in funcs:
+        raise ValidationError("tool_choice", f"function {name!r} is not among the tools")
+    return ToolMode(name, json.dumps(funcs[name])), tools, rest
+
+
+def enforce(mode: ToolMode, sp: pb.SamplingParams) -> None:
+    if sp.HasField("structured_outputs"):
+        raise ValidationError("tool_choice", "cannot be combined with response_format or another "
+                                             "structured-output field")
+    sp.structured_outputs.json = mode.schema
+
+
+# ------------------------------------------------------------------ messages
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI messages -> template messages (text content; tool calls kept)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValidationError("messages", "must be a non-empty list")
+    conv: list[dict[str, Any]] = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValidationError("messages", "each message needs a role and content")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise ValidationError("messages", "only text content parts are supported")
+            content = "".join(str(p.get("text", "")) for p in content)
+        calls = m.get("tool_calls")
+        if calls is not None and m["role"] != "assistant":
+            raise ValidationError("messages.tool_calls", "only assistant messages carry tool calls")
+        if content is None and calls:
+            content = ""
+        if not isinstance(content, str):
+            raise ValidationError("messages", "content must be a string")
+        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        if calls is not None:
+            msg["tool_calls"] = _calls(calls)
+        if m["role"] == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise ValidationError("messages.tool_call_id", "must be a string")
+            msg["tool_call_id"] = m["tool_call_id"]
+        conv.append(msg)
+    return conv
+
+
+def _calls(calls: Any) -> list[dict[str, Any]]:
+    p = "messages.tool_calls"
+    if not isinstance(calls, list) or len(calls) > MAX_TOOL_CALLS_IN_MESSAGE:
+        raise ValidationError(p, f"must be a list of at most {MAX_TOOL_CALLS_IN_MESSAGE} calls")
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or c.get("type", "function") != "function":
+            raise ValidationError(p, 'each call must be {"type": "function", "function": {"name", "arguments"}}')
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                raise ValidationError(p, f"arguments of {fn['name']!r} are not valid JSON") from None
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def render_chat(tokenizer: Any, conv: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """The templated prompt text (tools and tool calls included)."""
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    has_calls = any("tool_calls" in m for m in conv)
+    if "tool_calls" in template or not (tools or has_calls):
+        kw: dict[str, Any] = {"tools": tools} if tools else {}
+        return str(tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **kw))
+    plain = [_plain(m) for m in conv]
+    if tools:
+        listing = "\n".join(json.dumps(t["function"]) for t in tools)
+        text = f"You may call these functions:\n<tools>\n{listing}\n</tools>"
+        if plain[0]["role"] == "system":
+            plain[0] = {"role": "system", "content": plain[0]["content"] + "\n\n" + text}
+        else:
+            plain.insert(0, {"role": "system", "content": text})
+    return str(tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True))
+
+
+def _plain(m: dict[str, Any]) -> dict[str, str]:
+    content = m["content"]
+    for c in m.get("tool_calls", []):
+        call = json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+        content += ("\n" if content else "") + f"<tool_call>\n{call}\n</tool_call>"
+    return {"role": m["role"], "content": content}
+
+
+# ------------------------------------------------------------------ answers
+def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
+    """The calls an output spells, or None when it is not complete JSON."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if mode.name is not None:
+        pairs = [(mode.name, value)]
+    else:
+        if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v for v in value):
+            return None
+        pairs = [(str(v["name"]), v.get("parameters", {})) for v in value]
+    return [{"id": "chatcmpl-tool-" + uuid.uuid4().hex, "type": "function",
+             "function": {"name": n, "arguments": json.dumps(a)}} for n, a in pairs]
+
+
+def choice_formatter(mode: ToolMode, logprobs: Callable[[Chunk], Any]) -> Callable[[Chunk, dict[str, Any] | None], dict[str, Any]]:
+    """The gateway's chat choice builder for a tool-enforced request."""
+
+    def finish(c: Chunk, calls: list[dict[str, Any]] | None) -> str | None:
+        if c.finish_reason == "stop" and calls is not None:
+            return "tool_calls"
+        return c.finish_reason
+
+    def build(c: Chunk, acc: dict[str, Any] | None) -> dict[str, Any]:
+        if acc is None:  # non-streaming
+            calls = tool_calls(mode, c.text) if c.finish_reason == "stop" else None
+            msg: dict[str, Any] = {"role": "assistant", "content": None if calls else c.text}
+            if calls:
+                msg["tool_calls"] = calls
+            return {"index": c.index, "message": msg, "logprobs": logprobs(c),
+                    "finish_reason": finish(c, calls), "stop_reason": c.stop_reason}
+        delta: dict[str, Any] = {}
+        if not acc.get("role_sent"):
+            acc["role_sent"] = True
+            delta["role"] = "assistant"
+        acc["text"] = acc.get("text", "") + c.text
+        calls = None
+        if mode.name is not None:  # the name is known: stream the arguments as they come
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": c.text}}
+            if "role" in delta:
+                call.update(id="chatcmpl-tool-" + uuid.uuid4().hex, type="function")
+                call["function"]["name"] = mode.name
+            if c.text or "role" in delta:
+                delta["tool_calls"] = [call]
+            calls = [call] if c.finish_reason == "stop" else None
+        elif c.finish_reason is not None:  # "required": the calls are known once the array is complete
+            calls = tool_calls(mode, acc["text"]) if c.finish_reason == "stop" else None
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            else:
+                delta["content"] = acc["text"]
+        return {"index": c.index, "delta": delta, "logprobs": logprobs(c), "finish_reason": finish(c, calls)}
+
+    return build
