@@ -48,10 +48,9 @@ def handle(runner: "ModelRunner | SimWorker", msg: wk.Request) -> wk.Reply:
 
 
 def _limit_cpu_threads(device: str, ranks: int = 1) -> None:
-    """On CPU the worker shares the machine with the other three processes;
-    intra-op threads that outnumber the free cores spin-wait on each other and
-    make small ops 10x slower, so leave one core free, shared among the
-    tensor-parallel ranks (override with PAGEDSERVE_WORKER_THREADS)."""
+    """On CPU the worker takes every core (shared among tensor-parallel ranks):
+    the other three processes sleep in their sockets while it runs a step, and
+    use about 2 % of its CPU time. Override with PAGEDSERVE_WORKER_THREADS."""
     import os
 
     import torch
@@ -60,7 +59,7 @@ def _limit_cpu_threads(device: str, ranks: int = 1) -> None:
     if env:
         torch.set_num_threads(int(env))
     elif device == "cpu":
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), ((os.cpu_count() or 2) - 1) // ranks)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
 
 
 def _die_with_parent() -> None:

@@ -1,5 +1,5 @@
-"""Pick the attention/cache ops the worker runs: ``torch`` (the reference,
-the CPU serving path) or ``triton`` (the kernels; on CUDA, or on CPU in the
+"""Pick the attention/cache ops the worker runs: ``torch`` (the CPU serving
+path: the compiled batched kernel or its vectorised torch fallback) or ``triton`` (the kernels; on CUDA, or on CPU in the
 Triton interpreter, which tests use to force them). ``auto`` is triton on
 CUDA and torch elsewhere, matching ``EngineConfig.attention_backend``."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.reference import copy_blocks_ref, paged_attention_ref, reshape_and_cache_ref
+from pagedserve.kernels.cpu_attention import paged_attention_cpu, paged_attention_sdpa
+from pagedserve.kernels.reference import copy_blocks_ref, reshape_and_cache_ref
 from pagedserve.kernels.triton_attention import paged_attention
 from pagedserve.kernels.triton_cache import copy_blocks, reshape_and_cache, swap_blocks
 
@@ -32,7 +33,9 @@ class AttentionBackend:
 
 def _paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
                            *, max_seq_len: int | None = None, max_query_len: int | None = None) -> torch.Tensor:
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    if q.device.type == "cpu":  # the compiled kernel, or its vectorised torch fallback
+        return paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    return paged_attention_sdpa(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
 
 
 TORCH = AttentionBackend("torch", _paged_attention_torch, reshape_and_cache_ref, copy_blocks_ref, swap_blocks)

