@@ -47,7 +47,8 @@ class Batch:
 def prepare_batch(
     scheduled: list[tuple[SeqState, int]], block_size: int, max_model_len: int, num_blocks: int, device: torch.device
 ) -> Batch:
-    """Validate the schedule against each sequence's state and build the batch."""
+    """Validate the schedule against each sequence's state and build the batch.
+    Block ids were checked against the pool when they arrived (``check_blocks``)."""
     bs = block_size
     input_ids: list[int] = []
     seq_lens, starts, tables, sample_rows, sample_idx = [], [], [], [], []
@@ -60,8 +61,6 @@ def prepare_batch(
             raise ValueError(f"seq {seq.seq_id}: length {end} exceeds max_model_len {max_model_len}")
         if len(seq.block_ids) * bs < end:
             raise ValueError(f"seq {seq.seq_id}: {len(seq.block_ids)} blocks cannot hold {end} tokens")
-        if any(not 0 <= b < num_blocks for b in seq.block_ids[: (end + bs - 1) // bs]):
-            raise ValueError(f"seq {seq.seq_id}: block id outside the pool of {num_blocks}")
         flat0 = len(input_ids)
         input_ids += seq.token_ids[start:end]
         seq_lens.append(end)
@@ -86,6 +85,12 @@ def prepare_batch(
     return Batch(ids, positions, meta, sample_rows, idx, plans, decode_only=len(input_ids) == len(scheduled))
 
 
+def check_blocks(seq_id: int, block_ids: list[int], num_blocks: int) -> None:
+    """Once per block id, when it arrives: the forward indexes the pool with it."""
+    if block_ids and not (0 <= min(block_ids) and max(block_ids) < num_blocks):
+        raise ValueError(f"seq {seq_id}: block id outside the pool of {num_blocks}")
+
+
 def attention_metadata(
     seq_lens: list[int], starts: list[int], tables: list[list[int]], block_size: int, device: torch.device
 ) -> tuple[AttentionMetadata, torch.Tensor]:
@@ -93,9 +98,7 @@ def attention_metadata(
     sequence i computes positions [starts[i], seq_lens[i])."""
     q_lens = [end - start for start, end in zip(starts, seq_lens)]
     width = max(len(t) for t in tables)
-    table = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)  # one copy, not one per row
     q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
     row = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens_t)
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int64)

@@ -39,11 +39,12 @@ from pagedserve.common.messages.worker import (
 from pagedserve.gpuworker.cache_engine import CacheEngine, bytes_per_block
 from pagedserve.gpuworker.cuda_graph import DecodeGraphs
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, rank_device
-from pagedserve.gpuworker.inputs import PromptLogprobPlan, SeqState, attention_metadata, prepare_batch
+from pagedserve.gpuworker.inputs import PromptLogprobPlan, SeqState, attention_metadata, check_blocks, prepare_batch
 from pagedserve.gpuworker.layers import PagedAttention
 from pagedserve.gpuworker.loader import eos_token_ids, iter_weights, load_hf_config
 from pagedserve.gpuworker.models import build_model
 from pagedserve.gpuworker.sampler import Sampler
+from pagedserve.gpuworker.step_gaps import StepGaps
 from pagedserve.gpuworker.structured import StructuredDecoding
 from pagedserve.kernels import get_attention_backend
 
@@ -89,6 +90,7 @@ class ModelRunner:
         self.ready: WorkerReady | None = None
         self.profile: dict[str, int] = {}  # CUDA memory profile (bytes), when the pool was sized from it
         self.tokens_computed = 0  # cumulative, read by the --metrics-port hook
+        self.gaps = StepGaps()  # idle time between steps (the cost of scheduling between them)
         self.structured = StructuredDecoding(None, 0, ())  # grammar matchers (rank 0), set up by init
 
     # ---- start-up -------------------------------------------------------
@@ -222,7 +224,11 @@ class ModelRunner:
             raise RuntimeError("worker not initialised (send InitWorker first)")
         if self.tp.size > 1 and self.tp.is_driver:
             self.tp.send_request(step)
-        return self._execute(step)
+        self.gaps.begin()
+        try:
+            return self._execute(step)
+        finally:
+            self.gaps.end()
 
     def follow(self) -> None:
         """Ranks > 0: run rank 0's requests until it shuts the group down. A
@@ -256,6 +262,7 @@ class ModelRunner:
             seq = self._seq(diff.seq_id)
             if diff.table_start > len(seq.block_ids):
                 raise ValueError(f"seq {diff.seq_id}: block diff starts at {diff.table_start} past its table of {len(seq.block_ids)}")
+            check_blocks(diff.seq_id, diff.block_ids, self.cache.num_gpu_blocks)
             del seq.block_ids[diff.table_start:]
             seq.block_ids.extend(diff.block_ids)
         # Swap out first: the blocks it frees may be the destinations of swap-ins.
@@ -341,6 +348,7 @@ class ModelRunner:
         bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"seq {new.seq_id}: token ids outside the vocabulary of {self.vocab_size}: {bad[:5]}")
+        check_blocks(new.seq_id, new.block_ids, self.cache.num_gpu_blocks)
         # A re-sent seq (recompute preemption) replaces the old state.
         self.seqs[new.seq_id] = SeqState(
             new.seq_id, list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.params, new.num_prompt_tokens

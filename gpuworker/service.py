@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(msg, wk.Shutdown):
                 break
     finally:
+        if isinstance(runner, ModelRunner):
+            print(f"pagedserve gpuworker: {runner.gaps.summary()}", file=sys.stderr, flush=True)
         server.close()
         ctx.term()
         if isinstance(runner, ModelRunner) and rc == 0:
