@@ -262,3 +262,21 @@ def test_sigterm_waits_for_in_flight_requests_up_to_the_shutdown_timeout(tmp_pat
         with pytest.raises(openai.APIConnectionError):  # nothing is accepted after
             c.completions.create(model=tiny, prompt=PROMPT, max_tokens=2)
         c.close()
+
+
+def test_api_key_flag_guards_both_apis_and_stays_off_the_command_lines(tmp_path: Path) -> None:
+    tiny = make_tiny_model(tmp_path, "llama", seed=0)
+    key = "k3y-for-the-test-0123"
+    with serve(tiny, "--num-gpu-blocks", "32", "--api-key", key) as s:
+        for pid in s.pids.values():  # readable by any local user, as `ps` shows them
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert key.encode() not in f.read()
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.http + "/v1", api_key="wrong-key-1234", max_retries=0).models.list()
+        c = openai.OpenAI(base_url=s.http + "/v1", api_key=key, max_retries=0)
+        assert [m.id for m in c.models.list().data] == [tiny]
+        c.close()
+        from pagedserve.client import GenerationClient
+
+        with GenerationClient(s.addr, api_key=key) as g:
+            assert len(g.tokenize(PROMPT)) > 0
