@@ -1,10 +1,14 @@
-"""OpenAI-compatible HTTP gateway (``--http-port``), in the frontend process.
+"""OpenAI-compatible HTTP gateway, in the frontend process (``pagedserve serve
+--port``, the frontend component's ``--http-port``).
 
 ``/v1/completions`` and ``/v1/chat/completions`` (the model's chat template)
 are translated into a ``GenerateRequest`` and take the same engine path as
 gRPC (validation, admission, stop strings, metrics); ``stream: true`` answers
-with server-sent events. Also ``/v1/models``, ``/health`` (200 or 503) and
-``/metrics``. Errors use OpenAI's shape:
+with server-sent events; batches and ``echo`` in ``http_batch``. Also
+``/v1/models``, ``/health`` (200 or 503), ``/metrics`` (with vLLM's names,
+``vllm_metrics``) and vLLM's ``/tokenize``, ``/detokenize``, ``/version``
+(``http_extras``). A body field a route does not understand is a 400 naming it
+(``http_fields``). Errors use OpenAI's shape:
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
