@@ -48,6 +48,8 @@ def test_every_listed_series_is_exposed(ms: tuple[Server, dict[str, int]]) -> No
     m = scrape(ms[1]["frontend"])
     for name in LISTED:
         assert "pagedserve:" + name in m, name
+        # vLLM's name too, labelled with the served name (here: the folder given)
+        assert any(k.startswith(f"vllm:{name}{{") and "model_name=" in k for k in m), name
     sched = scrape(ms[1]["scheduler"])
     for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "num_preemptions_total"):
         assert "pagedserve:" + name in sched
