@@ -323,3 +323,15 @@ def test_json_strings_refuse_control_characters_and_surrogates(model_dir: str, s
     assert accepts(b'"ab"') and accepts('"\u00e9"'.encode())
     assert not accepts(b'"\x10') and not accepts(b'"\n')
     assert not accepts('"'.encode() + b"\xed\xa0\x80")  # an encoded surrogate
+
+
+def test_bench_structured_ci_size(model_dir: str) -> None:
+    from pagedserve.bench.structured import report, run
+
+    r = run(model_dir, 4, 1.0, ("regex", "choice"), max_tokens=64, num_gpu_blocks=200)
+    assert set(r["kinds"]) == {"regex", "choice"}
+    for k in r["kinds"].values():
+        assert k["valid"] == k["total"] == 4 and not k["errors"]
+        assert k["output_tokens"] == k["baseline_tokens"] > 0  # the baseline decodes the same lengths
+        assert k["constrained_tok_s"] > 0 and k["baseline_tok_s"] > 0
+    assert "regex" in report(r) and json.loads(json.dumps(r))["bench"] == "structured"
