@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from pagedserve.common.curve import InsecureTransport
+from pagedserve.common.hub_cache import ModelNotFound
 from pagedserve.common.rundir import UnsafeRunDir
 
 _COMPONENTS = {
@@ -54,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(importlib.import_module(_COMPONENTS[cmd]).main(rest) or 0)
-    except (InsecureTransport, UnsafeRunDir) as e:  # refused internal sockets: a clear line, no traceback
+    # Refused internal sockets, a model that is not there: a clear line, no traceback.
+    except (InsecureTransport, UnsafeRunDir, ModelNotFound) as e:
         print(f"pagedserve {cmd}: error: {e}", file=sys.stderr)
         return 2
 

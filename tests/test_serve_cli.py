@@ -67,6 +67,11 @@ def test_absent_hub_model_is_an_error_message_not_a_traceback(tmp_path: Path) ->
     assert str(tmp_path / "hub") in r.stderr  # says where it looked
     r2 = _run("serve", str(tmp_path / "no-such-folder"))
     assert r2.returncode == 2 and "Traceback" not in r2.stderr and "model folder not found" in r2.stderr
+    # A component started on its own says the same.
+    for component in ("frontend", "gpuworker"):
+        r3 = _run(component, "--model", "org/not-cached", env={"HF_HOME": str(tmp_path), "HF_HUB_CACHE": ""})
+        assert r3.returncode != 0 and "Traceback" not in r3.stderr, (component, r3.stderr)
+        assert "not in the local Hugging Face cache" in r3.stderr, component
 
 
 def test_version() -> None:
