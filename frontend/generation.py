@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from pagedserve.common.messages import frontend as fe
 from pagedserve.common.metrics import FrontendMetrics
 from pagedserve.frontend.engine_client import EngineClient, EngineUnavailable, Item
 from pagedserve.frontend.outputs import Chunk, Logprob, OutputState
+from pagedserve.frontend.prompt_bound import max_chars_per_token
 from pagedserve.frontend.validation import (
     Limits,
     Prepared,
@@ -33,6 +35,9 @@ from pagedserve.frontend.validation import (
     sampling_params,
 )
 from pagedserve.v1 import generation_pb2 as pb
+
+
+BIG_INPUT = 1 << 16  # bytes of request (or ids to detokenize) that go to the big-input thread
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,14 @@ class GenerationService:
         self.metrics = metrics
         self.num_queued = 0
         self._per_key: dict[str, int] = {}
+        # Tokenizing a 1 MB prompt takes ~1 s; off the event loop (HF fast
+        # tokenizers release the GIL) other streams keep flowing. Big texts get
+        # a thread of their own so they do not hold up small requests; both
+        # only encode/decode (never change truncation or padding), which a fast
+        # tokenizer allows from two threads at once.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._big_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-big")
+        self._chars_per_token = max_chars_per_token(tokenizer)
 
     @property
     def info(self) -> fe.EngineInfo:
@@ -95,11 +108,32 @@ class GenerationService:
                       self.cfg.max_n, self.cfg.max_beam_width, self.cfg.max_stop_ids)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if len(text) > BIG_INPUT and hasattr(backend, "encode_batch_fast"):
+            # The same ids without offsets: half the time, and the GIL held ~4x shorter.
+            return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids  # type: ignore
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
                                          clean_up_tokenization_spaces=False))
+
+    def _check_chars(self, text: str, limits: Limits, field: str) -> None:
+        """Refuses, untokenized, a text too long to fit max_model_len tokens (see prompt_bound)."""
+        per = self._chars_per_token
+        if per is not None and len(text) > limits.max_model_len * per:
+            raise ValidationError(field, f"{len(text)} characters are more than max_model_len="
+                                            f"{limits.max_model_len} tokens can hold")
+
+    async def off_loop(self, size: int, fn: Any, *args: Any) -> Any:
+        """Runs ``fn(*args)`` on a tokenizer thread (by ``size``, bytes or ids); exceptions propagate."""
+        pool = self._big_pool if size > BIG_INPUT else self._pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def prepare_async(self, request: pb.GenerateRequest, add_special_tokens: bool = True) -> PreparedRequest:
+        """``prepare`` on a tokenizer thread (size bounds are checked before tokenizing)."""
+        return await self.off_loop(request.ByteSize(), self.prepare, request,  # type: ignore[no-any-return]
+                                   add_special_tokens)
 
     def prepare(self, request: pb.GenerateRequest, add_special_tokens: bool = True) -> PreparedRequest:
         """Validates every field; raises ``ValidationError``."""
@@ -110,6 +144,7 @@ class GenerationService:
         check_prompt_text(request, limits)
         which = request.WhichOneof("input")
         if which == "prompt":
+            self._check_chars(request.prompt, limits, "prompt")
             ids = self.tokenize(request.prompt, add_special_tokens)
             check_prompt_ids(ids, limits, "prompt")
         elif which == "messages":
@@ -117,6 +152,7 @@ class GenerationService:
                 raise ValidationError("messages", "this model has no chat template; send a prompt")
             conv = [{"role": m.role, "content": m.content} for m in request.messages.messages]
             text = str(self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True))
+            self._check_chars(text, limits, "messages")
             # The template already wrote the special tokens it wants.
             ids = self.tokenize(text, add_special_tokens=False)
             check_prompt_ids(ids, limits, "messages")

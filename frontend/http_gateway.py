@@ -183,9 +183,9 @@ class Gateway:
         except ValidationError as e:
             raise ApiError(400, str(e), param=e.field) from None
 
-    def _prepare(self, req: pb.GenerateRequest, add_special_tokens: bool = True) -> Any:
+    async def _prepare(self, req: pb.GenerateRequest, add_special_tokens: bool = True) -> Any:
         try:
-            return self.svc.prepare(req, add_special_tokens)
+            return await self.svc.prepare_async(req, add_special_tokens)  # tokenizes off the event loop
         except ValidationError as e:
             raise ApiError(400, str(e), param=_openai_param(e.field)) from None
 
@@ -219,7 +219,7 @@ class Gateway:
             reqs.append(req)
         if len(reqs) > 1 or body.get("echo"):
             return await http_batch.run_batch(self, request, body, prompts, reqs)
-        prepared = self._prepare(req)
+        prepared = await self._prepare(req)
         stream = await self._open(request, prepared)
         ctx = _Ctx("cmpl-" + uuid.uuid4().hex, "text_completion", self._model_name(), prepared.prep.params.n)
         return await self._run(request, body, stream, ctx, self._completion_choice)
@@ -256,7 +256,7 @@ class Gateway:
         if body.get("logprobs"):
             _set(req.sampling_params, "logprobs", body.get("top_logprobs") or 0, "top_logprobs")
         # The template already wrote the special tokens it wants.
-        prepared = self._prepare(req, add_special_tokens=False)
+        prepared = await self._prepare(req, add_special_tokens=False)
         stream = await self._open(request, prepared)
         ctx = _Ctx("chatcmpl-" + uuid.uuid4().hex, "chat.completion", self._model_name(), prepared.prep.params.n)
         choice = self._chat_choice if tool_mode is None else openai_tools.choice_formatter(tool_mode, self._chat_logprobs)

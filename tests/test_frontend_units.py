@@ -278,3 +278,42 @@ def test_validation_errors_name_the_field(tok: Any) -> None:
     with pytest.raises(ValidationError) as e2:
         svc.prepare(big)
     assert e2.value.field == "request" and "4194304" in str(e2.value)
+
+
+def test_big_texts_tokenize_to_the_same_ids(tmp_path: Path) -> None:
+    """The fast path for big texts (no offsets) gives the tokenizer's own ids."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.frontend.generation import BIG_INPUT, GenerationService
+    from pagedserve.frontend.prompt_bound import max_chars_per_token
+
+    tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path, "llama", seed=0))
+    svc = GenerationService(None, tok, None)  # type: ignore[arg-type]
+    text = ("<|im_start|>user\nThe quick brown fox, café 東京 🙂 42\n<|im_end|> " * (BIG_INPUT // 40))[:BIG_INPUT + 999]
+    for add in (True, False):
+        assert svc.tokenize(text, add) == list(tok(text, add_special_tokens=add).input_ids)
+    # The length bound holds: no text has fewer tokens than characters / the longest entry.
+    per = max_chars_per_token(tok)
+    assert per is not None and len(svc.tokenize(text)) * per >= len(text)
+
+
+def test_no_length_bound_for_tokenizers_that_drop_characters() -> None:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from pagedserve.frontend.prompt_bound import max_chars_per_token
+
+    def fast(t: Tokenizer) -> PreTrainedTokenizerFast:
+        return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]")
+
+    words = models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")
+    ws = Tokenizer(words)
+    ws.pre_tokenizer = pre_tokenizers.Whitespace()  # a million spaces are no tokens at all
+    assert max_chars_per_token(fast(ws)) is None
+    bpe = Tokenizer(models.BPE({"[UNK]": 0, "a": 1, "b": 2}, [], unk_token="[UNK]", fuse_unk=True))
+    assert max_chars_per_token(fast(bpe)) is None  # a run of unknown characters is one token
+    bpe2 = Tokenizer(models.BPE({"[UNK]": 0, "a": 1, "bb": 2}, [], unk_token="[UNK]", fuse_unk=False))
+    bpe2.normalizer = normalizers.NFKC()
+    assert max_chars_per_token(fast(bpe2)) == 5 * 4  # "[UNK]", with the composing margin
+    bpe2.normalizer = normalizers.Strip()
+    assert max_chars_per_token(fast(bpe2)) is None
