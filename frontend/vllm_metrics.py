@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
