@@ -24,7 +24,8 @@ def test_bench_peers_ci_size(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     out_dir = tmp_path / "out"
     assert peers.main(["--model", model, "--engines", "pagedserve,hf,vllm", "--requests", "6", "--max-output", "12",
                        "--repeats", "3", "--workload", "alpaca,sharegpt", "--out", str(out_dir),
-                       "--peers-python", str(missing), "--serve-arg=--max-num-seqs=8"]) == 0
+                       "--peers-python", str(missing), "--serve-arg=--max-num-seqs=8",
+                       "--serve-arg=--kv-cache-memory=16MiB"]) == 0
     text = capsys.readouterr().out
     res = _result(text)
     assert res["bench"] == "peers" and res["engines"] == ["pagedserve", "hf"]
@@ -79,3 +80,12 @@ def test_serving_peer_ratios_and_missing_vllm_venv(tmp_path: Path) -> None:
     assert r["ttft_ms_p50"] == 0.5 and r["itl_ms_p99"] == 2.0 and r["e2e_ms_p99"] is None
     with pytest.raises(FileNotFoundError, match="setup-peers"):
         start_vllm_serve("/nonexistent", "m", 64, 4, python=tmp_path / "bin" / "python")
+
+
+def test_chart_without_matplotlib_is_skipped_not_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    assert peers._chart(tmp_path / "c.png", {}) is None
+    assert "matplotlib is not installed" in capsys.readouterr().out and not (tmp_path / "c.png").exists()

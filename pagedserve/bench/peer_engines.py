@@ -207,8 +207,10 @@ class VllmEngine:
         with os.fdopen(fd, "w") as f:
             json.dump(cfg, f)
         env = {**os.environ, **vllm_cpu_env()}
-        self.proc = subprocess.Popen([str(self.python), str(VLLM_WORKER), self.cfg_path], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        # -I: the script's folder (bench modules named kernel, memory, ...) stays off sys.path.
+        self.proc = subprocess.Popen([str(self.python), "-I", str(VLLM_WORKER), self.cfg_path],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, cwd=tempfile.gettempdir())
         self._read()  # {"ready": true} once the model is loaded and warmed up
 
     def _read(self) -> dict[str, Any]:

@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--engines", default=",".join(ENGINES), help="comma list of pagedserve, hf, vllm")
     p.add_argument("--out", default="out/bench-peers", help="folder for the PNG and the JSON")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
-                   help="extra `pagedserve serve` argument (repeatable), e.g. --serve-arg=--max-num-seqs=64")
+                   help="extra `pagedserve serve` argument (repeatable, later wins), e.g. --serve-arg=--max-num-seqs=64")
     p.add_argument("--peers-python", default=str(PEERS_VENV / "bin" / "python"), help="python of the vLLM venv")
     args = p.parse_args(argv)
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -146,7 +146,9 @@ def main(argv: list[str]) -> int:
         skipped["vllm"] = f"{args.peers_python} not found (run scripts/setup-peers.sh)"
         print(f"bench peers: vLLM skipped: {skipped['vllm']}")
         names.remove("vllm")
-    serve_args = ["--device", "cpu", "--dtype", "float32", *args.serve_arg]
+    # The KV pool gets what vLLM gets (VLLM_CPU_KVCACHE_SPACE=4): the CPU default
+    # (256 MiB) would preempt a 64-request ShareGPT-like batch. --serve-arg overrides.
+    serve_args = ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "4GiB", *args.serve_arg]
     engines: dict[str, Engine] = {}
     try:
         for e in names:

