@@ -263,13 +263,26 @@ class RepServer(_Typed[T]):
 
 
 class PushQueue(Generic[T]):
-    def __init__(self, ctx: zmq.Context[Any], addr: str, bind: bool) -> None:
+    """With ``stop``, a ``put`` blocked on a missing peer gives up (drops the
+    message) once ``stop()`` is true: a stopping process must not hang there."""
+
+    def __init__(self, ctx: zmq.Context[Any], addr: str, bind: bool, stop: Callable[[], bool] | None = None) -> None:
         self.addr = addr
         self._bound = bind
+        self._stop = stop
         self.sock = _open(ctx, zmq.PUSH, addr, bind)
 
     def put(self, msg: msgspec.Struct) -> None:
-        self.sock.send(_encoder.encode(msg), copy=False)
+        data = _encoder.encode(msg)
+        if self._stop is None:
+            self.sock.send(data, copy=False)
+            return
+        while not self.sock.poll(POLL_MS, zmq.POLLOUT):
+            if self._stop():
+                log.warning("%s: stopping; a %s was not delivered", _socket_name(self.addr), type(msg).__name__)
+                return
+        self.sock.send(data, copy=False)
+
 
     def close(self) -> None:
         self.sock.close(linger=0)

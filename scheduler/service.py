@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
 
     ctx: zmq.Context[Any] = zmq.Context()
     inbox: ipc.PullQueue[fe.Request] = ipc.PullQueue(ctx, addrs.scheduler_in, fe.Request, bind=True)
-    outbox: ipc.PushQueue[fe.Reply] = ipc.PushQueue(ctx, addrs.scheduler_out, bind=True)
+    outbox: ipc.PushQueue[fe.Reply] = ipc.PushQueue(ctx, addrs.scheduler_out, bind=True, stop=lambda: bool(stop))
     # Calls wait in short polls: SIGTERM and a disconnected peer end them at once.
     blockmgr = IpcClient(ctx, addrs.blockmgr, bm.Reply, timeout_s=30.0, stop=lambda: bool(stop))
     worker = IpcClient(ctx, addrs.worker, wk.Reply, timeout_s=args.step_timeout, stop=lambda: bool(stop))

@@ -175,3 +175,23 @@ def test_requests_given_up_on_are_aborted_in_the_engine(sim: tuple[Server, int])
     info = wait_idle(server, timeout_s=10)  # far sooner than 60,000 steps would take
     assert info.num_running == 0 and info.num_waiting == 0 and info.num_requests_in_flight == 0, info
     assert info.num_free_gpu_blocks == info.num_gpu_blocks, info
+
+
+def test_sigterm_past_the_shutdown_timeout_ends_streams_with_a_clear_error(tmp_path_factory: pytest.TempPathFactory
+                                                                          ) -> None:
+    import signal
+
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("drain"), "llama", seed=0)
+    with serve("--model", model_dir, "--worker", "sim", "--num-gpu-blocks", "2048", "--max-model-len", "65536",
+               "--shutdown-timeout", "1") as s, s.client() as c:
+        stream = c.stream([5, 6, 7], max_tokens=60000, ignore_eos=True, timeout=60)
+        next(stream)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "shutting down" in err.value.details() and "shutdown timeout of 1 s" in err.value.details()
+        assert 0.8 < time.monotonic() - t0 < 10
+        assert s.proc.wait(30) == 0

@@ -109,3 +109,13 @@ def test_waiting_call_ends_on_stop_and_on_a_lost_peer(ctx: zmq.Context, tmp_path
         client.call(bm.StatsRequest(), 5)  # ChannelTimeout (a fail) if the loss went unnoticed
     assert time.monotonic() - t0 < 3.0
     client.close()
+
+
+def test_a_put_blocked_on_a_missing_peer_gives_up_on_stop(ctx: zmq.Context, tmp_path: Path) -> None:
+    flag = threading.Event()
+    push: ipc.PushQueue[fe.Reply] = ipc.PushQueue(ctx, f"ipc://{tmp_path}/out.sock", bind=True, stop=flag.is_set)
+    threading.Timer(0.3, flag.set).start()
+    t0 = time.monotonic()
+    push.put(fe.Outputs([]))  # nobody pulls: without the stop flag this blocks for ever
+    assert 0.2 < time.monotonic() - t0 < 2.0
+    push.close()
