@@ -109,6 +109,10 @@ def _open(ctx: zmq.Context[Any], kind: int, addr: str, bind: bool) -> zmq.Socket
         ensure_private_dir(os.path.dirname(addr[len("ipc://"):]))
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.REQ:
+        # A fixed routing id (set before connecting) survives reconnects, so a
+        # server keeps this client as its session owner (RepServer).
+        sock.setsockopt(zmq.ROUTING_ID, b"req-" + os.urandom(12))
     try:
         curve.secure(sock, addr, bind, curve.from_env())
     except BaseException:
@@ -159,8 +163,6 @@ class ReqClient(_Typed[R]):
         # A timed-out REQ socket may be reused: the next send starts a new round trip.
         self.sock.setsockopt(zmq.REQ_RELAXED, 1)
         self.sock.setsockopt(zmq.REQ_CORRELATE, 1)
-        # A fixed routing id survives reconnects, so the server keeps this client as its owner.
-        self.sock.setsockopt(zmq.ROUTING_ID, b"req-" + os.urandom(12))
         self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     def _peer_lost(self) -> bool:
@@ -195,6 +197,15 @@ class ReqClient(_Typed[R]):
         self.sock.disable_monitor()
         self._monitor.close(linger=0)
         super().close()
+
+
+def _source_fd(frame: Any) -> int:
+    """The connection a frame came on, as the socket monitor names it (-1: unknown,
+    so the owner never counts as gone: a takeover is refused, never wrongly allowed)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, ValueError):
+        return -1
 
 
 class RepServer(_Typed[T]):
@@ -243,7 +254,7 @@ class RepServer(_Typed[T]):
                 return msg
             self.owner = peer
         self._owner_connected()  # consume events of the connection this one replaces
-        self._owner_fd, self._owner_gone = int(parts[-1].get(zmq.SRCFD)), False
+        self._owner_fd, self._owner_gone = _source_fd(parts[-1]), False
         return msg
 
     def send(self, msg: msgspec.Struct) -> None:

@@ -69,6 +69,8 @@ def test_rep_server_answers_bad_frames_and_keeps_its_owner(ctx: zmq.Context, tmp
         stranger: ipc.ReqClient[bm.Reply] = ipc.ReqClient(ctx, addr, bm.Reply)
         init = bm.InitRequest(8, 0, 16, True)
         assert owner.call(init, 5) == bm.Ack()
+        # The owner is known by the client's own fixed routing id, which a reconnect keeps.
+        assert server.owner == owner.sock.getsockopt(zmq.ROUTING_ID) and server.owner.startswith(b"req-")
         # A stranger's garbage and its commands are refused, with the kind saying why.
         stranger.sock.send(b"\xc1")
         assert stranger.sock.poll(5000)
