@@ -64,7 +64,7 @@ async def tokenize(gw: "Gateway", request: web.Request) -> web.Response:
         check_text(text, svc.limits, field)
     except ValidationError as e:
         raise ApiError(400, str(e), param=field) from None
-    ids = svc.tokenize(text, add_special)
+    ids = await svc.off_loop(len(text), svc.tokenize, text, add_special)  # a 1 MB text must not stall the loop
     strs = svc.tokenizer.convert_ids_to_tokens(ids) if _bool(body, "return_token_strs", False) else None
     return web.json_response({"count": len(ids), "max_model_len": svc.info.model.max_model_len, "tokens": ids,
                               "token_strs": strs})
@@ -83,7 +83,8 @@ async def detokenize(gw: "Gateway", request: web.Request) -> web.Response:
     except ValidationError as e:
         raise ApiError(400, str(e), param="tokens") from None
     # Special tokens kept, as vLLM: /tokenize then /detokenize gives the text back with them.
-    return web.json_response({"prompt": gw.svc.detokenize(ids, skip_special_tokens=False)})
+    text = await gw.svc.off_loop(len(ids), gw.svc.detokenize, ids, False)
+    return web.json_response({"prompt": text})
 
 
 async def version(gw: "Gateway", request: web.Request) -> web.Response:
