@@ -13,6 +13,20 @@ from pagedserve.kernels import AttentionBackend
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros, not empty: NaN garbage in never-written slots must not leak
+    through masked reads. On CPU through numpy's calloc, whose large
+    allocations the kernel maps zero-filled on first touch, so a pool of
+    several GiB costs its memory only as sequences fill it."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
+    return torch.from_numpy(raw).view(dtype)
+
+
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
@@ -33,15 +47,12 @@ class CacheEngine:
         self.num_gpu_blocks, self.num_cpu_blocks, self.block_size = num_gpu_blocks, num_cpu_blocks, block_size
         self.device, self.backend = device, backend
         shape = (num_gpu_blocks, block_size, num_kv_heads, head_dim)
-        # zeros, not empty: NaN garbage in never-written slots must not leak through masked reads.
-        self.gpu: list[KVCache] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
+        self.gpu: list[KVCache] = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(num_layers)]
         pin = device.type == "cuda"
         cpu_shape = (num_cpu_blocks, *shape[1:])
         self.cpu: list[KVCache] = [
-            (torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin), torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
+            (torch.zeros(cpu_shape, dtype=dtype, pin_memory=True), torch.zeros(cpu_shape, dtype=dtype, pin_memory=True))
+            if pin else (_zeros(cpu_shape, dtype, torch.device("cpu")), _zeros(cpu_shape, dtype, torch.device("cpu")))
             for _ in range(num_layers)
         ] if num_cpu_blocks > 0 else []
 

@@ -48,7 +48,17 @@ from pagedserve.gpuworker.step_gaps import StepGaps
 from pagedserve.gpuworker.structured import StructuredDecoding
 from pagedserve.kernels import get_attention_backend
 
-CPU_DEFAULT_KV_BYTES = 256 << 20
+
+
+def cpu_default_kv_bytes() -> int:
+    """vLLM's CPU default (4 GiB), but at most a quarter of the machine's memory.
+    The pool is zero-filled lazily, so unused pages cost nothing."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 16 << 30
+    return min(4 << 30, ram // 4)
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CUDA_GRAPHS_ENV = "PAGEDSERVE_CUDA_GRAPHS"  # "0" disables decode CUDA graphs
 
@@ -169,7 +179,7 @@ class ModelRunner:
         elif self.device.type == "cuda":
             n = self._profile_free_bytes() // per_block
         else:
-            n = CPU_DEFAULT_KV_BYTES // per_block
+            n = cpu_default_kv_bytes() // per_block
         if n < 2:
             raise ValueError(f"KV cache memory too small: {n} blocks of {per_block} bytes")
         return int(n)
