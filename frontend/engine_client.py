@@ -2,7 +2,9 @@
 scheduler's per-step output batches out to per-request asyncio queues, and a
 watchdog asks the scheduler for stats at a fixed interval: no answer within
 the timeout marks the engine lost (health goes NOT_SERVING and every open
-stream ends with an error) until it answers again."""
+stream ends with an error) until it answers again. A scheduler that
+disconnects (killed, restarted) is waited for: its in-flight requests are
+re-sent to the new one with the tokens already streamed (see resume.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +18,7 @@ import zmq.asyncio
 from pagedserve.common import ipc
 from pagedserve.common.config import Addresses
 from pagedserve.common.messages import frontend as fe
+from pagedserve.frontend.resume import ResumeBook
 
 log = logging.getLogger("pagedserve.frontend")
 
@@ -31,7 +34,7 @@ class EngineUnavailable(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, addrs: Addresses, send_timeout_s: float = 5.0) -> None:
+    def __init__(self, addrs: Addresses, send_timeout_s: float = 5.0, resume_timeout_s: float = 60.0) -> None:
         self._ctx = zmq.asyncio.Context()
         self._push: ipc.AsyncPushQueue[fe.Request] = ipc.AsyncPushQueue(self._ctx, addrs.scheduler_in, bind=False)
         self._pull: ipc.AsyncPullQueue[fe.Reply] = ipc.AsyncPullQueue(self._ctx, addrs.scheduler_out, fe.Reply,
@@ -46,9 +49,17 @@ class EngineClient:
         self.info: fe.EngineInfo | None = None
         self.last_stats: fe.EngineStats | None = None
         self.healthy = False
+        self._on_change: Callable[[bool], Any] | None = None
+        self._book = ResumeBook()
+        self._resume_timeout_s = resume_timeout_s  # a scheduler not back by then: streams end with an error
+        self._resuming = False
+        self._link: asyncio.Task[None] | None = None
+        self._monitor: Any = None
 
     async def start(self, timeout_s: float) -> fe.EngineInfo:
         self._reader = asyncio.create_task(self._read_loop())
+        self._monitor = self._pull.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._link = asyncio.create_task(self._watch_link())
         info = await self._query(lambda q: fe.InfoQuery(q), timeout_s)
         assert isinstance(info, fe.EngineInfo)
         self.info = info
@@ -57,31 +68,89 @@ class EngineClient:
 
     def watch(self, interval_s: float, timeout_s: float, on_change: Callable[[bool], Any]) -> None:
         """Start the watchdog; ``on_change(healthy)`` runs on every change."""
-        self._watchdog = asyncio.create_task(self._watch(interval_s, timeout_s, on_change))
+        self._on_change = on_change
+        self._watchdog = asyncio.create_task(self._watch(interval_s, timeout_s))
 
-    async def _watch(self, interval_s: float, timeout_s: float, on_change: Callable[[bool], Any]) -> None:
+    async def _watch(self, interval_s: float, timeout_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
+            if self._resuming:
+                continue
             try:
-                await self.stats(timeout_s)
-                ok = True
+                s = await self._query(lambda q: fe.StatsQuery(q), timeout_s)
+                ok, lost = not s.recovering, False
             except (asyncio.TimeoutError, EngineUnavailable):
-                ok = False
-            if ok != self.healthy:
-                self.healthy = ok
-                if not ok:
-                    log.error("scheduler did not answer within %.1fs: NOT_SERVING", timeout_s)
-                    self.fail_all("the engine is unavailable (scheduler not answering)")
-                else:
-                    log.info("scheduler answers again: SERVING")
-                res = on_change(ok)
-                if asyncio.iscoroutine(res):
-                    await res
+                ok, lost = False, True
+            await self._set_healthy(ok, lost)
+
+    async def _set_healthy(self, ok: bool, lost: bool = False) -> None:
+        """``lost``: the scheduler does not answer, so open streams end with an
+        error; while it recovers a component they stay open and resume."""
+        if lost and self._streams:
+            self.fail_all("the engine is unavailable (scheduler not answering)")
+        if ok == self.healthy:
+            return
+        self.healthy = ok
+        if lost:
+            log.error("scheduler did not answer: NOT_SERVING")
+        else:
+            log.info("engine %s: %s", "ready" if ok else "recovering", "SERVING" if ok else "NOT_SERVING")
+        if self._on_change is not None:
+            res = self._on_change(ok)
+            if asyncio.iscoroutine(res):
+                await res
+
+    async def _watch_link(self) -> None:
+        while True:
+            await self._monitor.recv_multipart()
+            if not self._resuming:
+                log.warning("the scheduler disconnected: waiting for it to resume %d requests", len(self._book))
+                await self._resume()
+
+    async def _resume(self) -> None:
+        """NOT_SERVING until a scheduler answers again; then every open stream
+        is re-sent with what it already streamed and continues."""
+        self._resuming = True
+        loop = asyncio.get_running_loop()
+        try:
+            await self._set_healthy(False)
+            deadline = loop.time() + self._resume_timeout_s
+            # What the old scheduler sent before it died is read first (it is all
+            # in our pipe by the time its disconnect shows): those tokens count.
+            while self._pull.sock.get(zmq.EVENTS) & zmq.POLLIN and loop.time() < deadline:
+                await asyncio.sleep(0.005)
+            while True:
+                try:
+                    await self._query(lambda q: fe.InfoQuery(q), 0.5)
+                    break
+                except asyncio.TimeoutError:
+                    if loop.time() > deadline:
+                        log.error("no scheduler within %.0fs: open streams end", self._resume_timeout_s)
+                        self.fail_all("the engine is unavailable (scheduler lost)")
+                        return
+            again, lost = self._book.resumed()
+            now = time.monotonic()
+            for rid in lost:
+                if (q := self._streams.get(rid)) is not None:
+                    q.put_nowait((now, fe.TokenDelta(rid, 0, [], "error", 0,
+                                                     "the engine is unavailable (scheduler restarted; n > 1 and "
+                                                     "beam search cannot resume)")))
+            for req in again:
+                await self._send(req)
+            log.info("scheduler back: %d requests resumed, %d ended", len(again), len(lost))
+            await self._set_healthy(True)
+        except EngineUnavailable:
+            self.fail_all("the engine is unavailable (scheduler lost)")
+        finally:
+            self._resuming = False
 
     async def close(self) -> None:
-        for task in (self._reader, self._watchdog):
+        for task in (self._reader, self._watchdog, self._link):
             if task:
                 task.cancel()
+        if self._monitor is not None:
+            self._pull.sock.disable_monitor()
+            self._monitor.close(linger=0)
         self._push.close()
         self._pull.close()
         self._ctx.term()
@@ -94,9 +163,13 @@ class EngineClient:
                 for d in msg.deltas:
                     q = self._streams.get(d.request_id)
                     if q is not None:
+                        self._book.on_delta(d)
                         q.put_nowait((now, d))
             else:
                 if isinstance(msg, fe.EngineStats):
+                    if msg.query_id == 0:  # unsolicited: recovery started or ended
+                        await self._set_healthy(not msg.recovering)
+                        continue
                     self.last_stats = msg
                 fut = self._queries.pop(msg.query_id, None)
                 if fut is not None and not fut.done():
@@ -124,7 +197,13 @@ class EngineClient:
             self._queries.pop(qid, None)
 
     async def stats(self, timeout_s: float = 10.0) -> fe.EngineStats:
-        return await self._query(lambda q: fe.StatsQuery(q), timeout_s)
+        """Raises EngineUnavailable at once while the engine is unavailable or recovering."""
+        if not self.healthy:
+            raise EngineUnavailable("the engine is unavailable")
+        s = await self._query(lambda q: fe.StatsQuery(q), timeout_s)
+        if s.recovering:
+            raise EngineUnavailable("the engine is recovering a component")
+        return s
 
     @property
     def num_streams(self) -> int:
@@ -137,10 +216,12 @@ class EngineClient:
             raise EngineUnavailable("the engine is unavailable")
         q: asyncio.Queue[Item] = asyncio.Queue()
         self._streams[req.request_id] = q
+        self._book.sent(req)
         try:
             await self._send(req)
         except BaseException:
             self._streams.pop(req.request_id, None)
+            self._book.forget(req.request_id)
             raise
         return q
 
@@ -148,6 +229,7 @@ class EngineClient:
         """Forget a stream; tell the engine to abort it if it did not finish.
         Safe to call from a cancelled handler: the abort is sent by a task."""
         self._streams.pop(request_id, None)
+        self._book.forget(request_id)
         if abort:
             task = asyncio.get_running_loop().create_task(self._send_quietly(fe.AbortRequest([request_id])))
             self._bg.add(task)

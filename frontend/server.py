@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagedserve.frontend.auth import ApiKeys, AuthInterceptor, metadata_value
-from pagedserve.frontend.engine_client import DuplicateRequestId
+from pagedserve.frontend.engine_client import DuplicateRequestId, EngineUnavailable
 from pagedserve.frontend.grpc_decode import add_servicer
 from pagedserve.frontend.generation import EngineError, GenerationService, Rejected, RequestStream
 from pagedserve.frontend.outputs import Chunk, Logprob
@@ -153,6 +153,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             s = await self.svc.engine.stats()
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler did not answer")
+        except EngineUnavailable as e:  # at once, while unhealthy or recovering
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         info, cfg = self.svc.info, self.svc.cfg
         usage = 1.0 - s.num_free_gpu_blocks / s.num_gpu_blocks if s.num_gpu_blocks else 0.0
         return pb.ServerInfo(num_gpu_blocks=s.num_gpu_blocks, num_free_gpu_blocks=s.num_free_gpu_blocks,

@@ -52,7 +52,8 @@ async def run(args: argparse.Namespace) -> int:
                           max_beam_width=args.max_beam_width, max_queued_requests=args.max_queued_requests,
                           max_concurrent_per_key=args.max_concurrent_per_key, auth_enabled=keys.enabled,
                           tls_enabled=bool(args.tls_cert))
-    engine = EngineClient(addresses_from_args(args))
+    # A lost scheduler gets --health-timeout to come back before open streams end.
+    engine = EngineClient(addresses_from_args(args), resume_timeout_s=args.health_timeout)
     metrics = FrontendMetrics(lambda: engine.last_stats, lambda: engine.num_streams)
     served = args.served_model_name or ([cfg.model] if cfg.model else None)
     vllm_metrics = add_vllm_metrics(metrics, engine, cfg, (served or [DEFAULT_MODEL_ID])[0])
@@ -125,7 +126,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--health-interval", type=float, default=float(_env("HEALTH_INTERVAL", 2.0)),
                    help="seconds between scheduler liveness checks")
     p.add_argument("--health-timeout", type=float, default=float(_env("HEALTH_TIMEOUT", 30.0)),
-                   help="no scheduler answer within this: NOT_SERVING")
+                   help="no scheduler answer within this: NOT_SERVING (a lost scheduler: open streams end unless one is back)")
     p.add_argument("--engine-timeout", type=float, default=1800.0, help="seconds to wait for the engine to start")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")

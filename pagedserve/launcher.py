@@ -1,6 +1,7 @@
 """``pagedserve serve``: starts the four components locally over ipc:// sockets
 in a private run directory, waits until the frontend reports SERVING, prints
-the addresses, and on Ctrl-C / SIGTERM stops every child (the frontend first,
+the addresses, restarts a child that dies (with backoff; the others recover
+it, see docs/fault-tolerance.md), and on Ctrl-C / SIGTERM stops every child (the frontend first,
 draining up to --shutdown-timeout) and removes the sockets. Children also die with the launcher (PR_SET_PDEATHSIG), so none is
 orphaned even if the launcher is killed."""
 from __future__ import annotations
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 from pagedserve.common.lifecycle import StopFlag
 from pagedserve.common.config import default_addresses, engine_argv
@@ -94,11 +95,15 @@ def main(argv: list[str]) -> int:
     fe_env = dict(env, **({"PAGEDSERVE_API_KEY": sa.api_key} if sa.api_key else {}))
     procs: dict[str, subprocess.Popen[bytes]] = {}
     stopping = StopFlag()
+
+    def start(name: str) -> subprocess.Popen[bytes]:
+        extra = _frontend_args(sa) if name == "frontend" else []
+        return subprocess.Popen([sys.executable, "-m", "pagedserve", name, *common, *extra],
+                                env=fe_env if name == "frontend" else env, preexec_fn=_die_with_parent)
+
     try:
         for name in COMPONENTS:
-            extra = _frontend_args(sa) if name == "frontend" else []
-            procs[name] = subprocess.Popen([sys.executable, "-m", "pagedserve", name, *common, *extra],
-                                           env=fe_env if name == "frontend" else env, preexec_fn=_die_with_parent)
+            procs[name] = start(name)
         addr = f"{sa.host}:{sa.grpc_port}"
         if not wait_healthy(addr, sa.start_timeout, lambda: not stopping and all(
                 pr.poll() is None for pr in procs.values())):
@@ -110,17 +115,43 @@ def main(argv: list[str]) -> int:
         scheme = "https" if os.environ.get("PAGEDSERVE_TLS_CERT") else "http"
         print(f"pagedserve: serving {sa.served_model_names[0]}: OpenAI API at {scheme}://{sa.host}:{sa.http_port}/v1, "
               f"gRPC on {addr} (pids {', '.join(f'{n}={pr.pid}' for n, pr in procs.items())})", flush=True)
-        while not stopping:
-            dead = [n for n, pr in procs.items() if pr.poll() is not None]
-            if dead:
-                print(f"pagedserve: {', '.join(dead)} exited; stopping", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
+        supervise(procs, start, lambda: bool(stopping))
         return 0
     finally:
         _stop_all(procs, cfg.shutdown_timeout)
         shutil.rmtree(run_dir, ignore_errors=True)
         print("pagedserve: stopped", file=sys.stderr, flush=True)
+
+
+RESTART_BACKOFF_S = (0.2, 10.0)  # first delay, cap; doubles per quick crash
+STABLE_S = 30.0  # a child that ran this long restarts with the first delay again
+
+
+def supervise(procs: dict[str, subprocess.Popen[bytes]], start: Callable[[str], subprocess.Popen[bytes]],
+              stopping: Callable[[], bool], poll_s: float = 0.05) -> None:
+    """Until ``stopping()``: restarts a child that exited, after a delay that
+    doubles while it keeps crashing (as compose's ``restart: unless-stopped``
+    would); the survivors re-initialise it and resume their requests."""
+    delay = dict.fromkeys(procs, RESTART_BACKOFF_S[0])
+    started = dict.fromkeys(procs, time.monotonic())
+    due: dict[str, float] = {}
+    while not stopping():
+        now = time.monotonic()
+        for name, pr in procs.items():
+            if name not in due and pr.poll() is not None:
+                if now - started[name] > STABLE_S:
+                    delay[name] = RESTART_BACKOFF_S[0]
+                due[name] = now + delay[name]
+                print(f"pagedserve: {name} exited ({pr.returncode}); restarting in {delay[name]:.1f}s",
+                      file=sys.stderr, flush=True)
+                delay[name] = min(RESTART_BACKOFF_S[1], delay[name] * 2)
+        for name, at in list(due.items()):
+            if now >= at and not stopping():
+                del due[name]
+                procs[name] = start(name)
+                started[name] = time.monotonic()
+                print(f"pagedserve: restarted {name} (pid {procs[name].pid})", file=sys.stderr, flush=True)
+        time.sleep(poll_s)
 
 
 def _stop_all(procs: dict[str, subprocess.Popen[bytes]], drain_s: float = 0.0, grace_s: float = 10.0) -> None:

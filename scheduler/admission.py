@@ -35,6 +35,8 @@ def check_add(req: AddRequest, model: ModelInfo) -> str | None:
         return f"prompt: {len(ids)} tokens; must be 1 .. {model.max_model_len - 1}"
     if min(ids) < 0 or max(ids) >= vocab:
         return f"prompt: token ids must be in [0, {vocab})"
+    if not 0 <= req.num_output_tokens < len(ids) or (req.num_output_tokens and (p.n > 1 or p.beam_width > 1)):
+        return "num_output_tokens: out of range (resuming needs n = 1 and no beam search)"
     if p.max_tokens < 1 or not 0 <= p.min_tokens <= p.max_tokens:
         return "max_tokens/min_tokens: out of range"
     if not 1 <= p.n <= MAX_N or not 0 <= p.beam_width <= MAX_N or (p.beam_width > 1 and p.n > p.beam_width):

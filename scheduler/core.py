@@ -86,6 +86,8 @@ class Scheduler:
     # ------------------------------------------------------------ requests
     def add_request(self, req: AddRequest) -> None:
         if req.request_id in self.groups:
+            if req.resume:  # the original reached this scheduler too: it runs already
+                return
             self._deltas.append(TokenDelta(req.request_id, 0, [], FinishReason.ERROR.value,
                                            len(req.prompt_token_ids), f"duplicate request_id {req.request_id!r}"))
             return
@@ -95,7 +97,8 @@ class Scheduler:
         # (a one-token prompt has nothing to share). Beam search starts from one beam.
         fork_later = p.beam_width <= 1 and p.n > 1 and len(prompt) > 1
         width = 1 if fork_later or p.beam_width > 1 else max(1, p.n)
-        seqs = [Sequence(next(self._seq_ids), i, list(prompt), len(prompt)) for i in range(width)]
+        n_prompt = len(prompt) - req.num_output_tokens
+        seqs = [Sequence(next(self._seq_ids), i, list(prompt), n_prompt) for i in range(width)]
         group = SequenceGroup(req.request_id, seqs, p, req.arrival_time, next(self._arrivals),
                               req.cache_salt, forked=not fork_later)
         if p.beam_width > 1:
@@ -394,6 +397,10 @@ class Scheduler:
             self.swapped.append(group)
             self.swapped.sort(key=lambda g: g.arrival_order)
             return [bm.SwapOut([s.seq_id for s in live])]
+        # An append earlier in this step may have given the victim a block: the
+        # worker drops it (finished) before applying diffs, so none may name it.
+        ids = {s.seq_id for s in live}
+        plan.block_diffs = [d for d in plan.block_diffs if d.seq_id not in ids]
         return self._recompute(group)
 
     def _recompute(self, group: SequenceGroup) -> list[bm.Op]:

@@ -5,6 +5,7 @@ Both run the same core.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Protocol
 
@@ -16,6 +17,9 @@ from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages import worker as wk
 from pagedserve.scheduler.core import Scheduler, SchedulerConfig
+from pagedserve.scheduler.recovery import requeue_all
+
+RECOVERY_ATTEMPT_S = 0.5  # one try at a restarting component; between tries the inbox is served
 
 
 class BlockClient(Protocol):
@@ -28,6 +32,11 @@ class WorkerClient(Protocol):
 
 class ComponentError(RuntimeError):
     """A component answered with an error, or not at all."""
+
+
+class PeerRefused(ComponentError):
+    """A component still serves another scheduler (kind wrong_peer): a
+    restarted scheduler whose predecessor's connection has not closed yet."""
 
 
 class InProcessBlockClient:
@@ -71,7 +80,14 @@ class IpcClient:
         self.timeout_s = timeout_s
         self._stop = stop  # checked every ipc.POLL_MS while waiting (SIGTERM)
 
+    def disconnected(self) -> bool:
+        return self._client._peer_lost()  # drains the monitor: true once per disconnect
+
     def call(self, req: Any, timeout_s: float | None = None) -> Any:
+        # A disconnect since the last call means a restarted peer that lost
+        # our state: fail this call (recovery follows) rather than talk past it.
+        if self.disconnected():
+            raise ComponentError(f"{self._client.addr} disconnected since the last call")
         try:
             return self._client.call(req, timeout_s or self.timeout_s, self._stop)
         except (ipc.ChannelTimeout, ipc.PeerLost, ipc.Interrupted, ipc.BadFrame) as e:
@@ -88,8 +104,12 @@ class EngineCore:
         self.blockmgr = blockmgr
         self.worker = worker
         self.last_step_s = 0.0  # wall time of the last worker call
+        self.recovering = False  # between losing a component and both answering again
+        self.num_recoveries = 0
         ready = self._worker_call(wk.InitWorker(), init_timeout_s)
         assert isinstance(ready, wk.WorkerReady)
+        # A worker that outlived a previous scheduler still holds its sequences.
+        self._worker_call(wk.ResetWorker())
         self.ready = ready
         self._block_call(bm.InitRequest(ready.num_gpu_blocks, ready.num_cpu_blocks, ready.block_size,
                                         cfg.enable_prefix_caching, cfg.kv_watermark))
@@ -108,13 +128,13 @@ class EngineCore:
     def _worker_call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply:
         rep = self.worker.call(req, timeout_s)
         if isinstance(rep, wk.WorkerError):
-            raise ComponentError(f"gpuworker: {rep.message}")
+            raise (PeerRefused if rep.kind == "wrong_peer" else ComponentError)(f"gpuworker: {rep.message}")
         return rep
 
-    def _block_call(self, req: bm.Request) -> bm.Reply:
-        rep = self.blockmgr.call(req)
+    def _block_call(self, req: bm.Request, timeout_s: float | None = None) -> bm.Reply:
+        rep = self.blockmgr.call(req, timeout_s)
         if isinstance(rep, bm.ErrorReply):
-            raise ComponentError(f"blockmgr: {rep.message}")
+            raise (PeerRefused if rep.kind == "wrong_peer" else ComponentError)(f"blockmgr: {rep.message}")
         return rep
 
     def info(self, query_id: int) -> fe.EngineInfo:
@@ -122,12 +142,59 @@ class EngineCore:
                              self.ready.num_cpu_blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
 
     def stats(self, query_id: int) -> fe.EngineStats:
+        sch = self.scheduler
+        if self.recovering:  # the blockmgr may be gone: no block counts to report
+            return fe.EngineStats(query_id, len(sch.running), len(sch.waiting), len(sch.swapped),
+                                  0, 0, 0, 0, 0, 0, sch.num_preemptions, sch.num_steps, recovering=True)
         s = self._block_call(bm.StatsRequest())
         assert isinstance(s, bm.BlockStats)
-        sch = self.scheduler
         return fe.EngineStats(query_id, len(sch.running), len(sch.waiting), len(sch.swapped),
                               s.num_gpu_blocks, s.num_free_gpu_blocks, s.num_cpu_blocks, s.num_free_cpu_blocks,
                               s.prefix_cache_queries, s.prefix_cache_hits, sch.num_preemptions, sch.num_steps)
+
+    def check_peers(self) -> None:
+        """Raises ComponentError if a component disconnected since the last
+        call (noticed while idle, so health turns NOT_SERVING at once)."""
+        for name, client in (("gpuworker", self.worker), ("blockmgr", self.blockmgr)):
+            lost: Callable[[], bool] | None = getattr(client, "disconnected", None)
+            if lost is not None and lost():
+                raise ComponentError(f"{name} disconnected")
+
+    def recover(self, idle: Callable[[], None], stop: Callable[[], bool],
+                timeout_s: float | None = None) -> int:
+        """After a lost component: requeues every request for recompute, then
+        waits (bounded attempts, ``idle()`` between them) until the worker
+        answers InitWorker, resets its sequence state and re-initialises the
+        blockmgr (every block free). Raises ComponentError on ``stop()`` or
+        after ``timeout_s``. Returns how many requests were in flight."""
+        self.recovering = True
+        n = requeue_all(self.scheduler)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def retry(attempt: Callable[[], Any]) -> Any:
+            while True:
+                try:
+                    return attempt()
+                except ComponentError:
+                    if stop() or (deadline is not None and time.monotonic() > deadline):
+                        raise
+                    idle()
+
+        ready = retry(lambda: self._worker_call(wk.InitWorker(), RECOVERY_ATTEMPT_S))
+        assert isinstance(ready, wk.WorkerReady)
+        retry(lambda: self._worker_call(wk.ResetWorker(), RECOVERY_ATTEMPT_S))
+        if (ready.num_gpu_blocks, ready.num_cpu_blocks) != (self.ready.num_gpu_blocks, self.ready.num_cpu_blocks):
+            # A restarted worker may size its pool differently (free GPU memory moved).
+            sch = self.scheduler
+            sch.cfg = dataclasses.replace(sch.cfg, num_gpu_blocks=ready.num_gpu_blocks - 1,
+                                          num_cpu_blocks=ready.num_cpu_blocks)
+        self.ready = ready
+        retry(lambda: self._block_call(bm.InitRequest(ready.num_gpu_blocks, ready.num_cpu_blocks, ready.block_size,
+                                                      self.cfg.enable_prefix_caching, self.cfg.kv_watermark),
+                                       RECOVERY_ATTEMPT_S))
+        self.recovering = False
+        self.num_recoveries += 1
+        return n
 
     def handle(self, msg: fe.Request) -> fe.Reply | None:
         if isinstance(msg, fe.AddRequest):

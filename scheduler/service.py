@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+import time
+from typing import Any, Callable
 
 import zmq
 
@@ -17,9 +18,11 @@ from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.metrics import add_metrics_arg, serve_scheduler_metrics
 from pagedserve.scheduler.admission import check_add
-from pagedserve.scheduler.engine import ComponentError, EngineCore, IpcClient
+from pagedserve.scheduler.engine import ComponentError, EngineCore, IpcClient, PeerRefused
+from pagedserve.scheduler.frontend_link import FrontendLink
 
 log = logging.getLogger("pagedserve.scheduler")
+STARTUP_REFUSALS = 100  # wrong_peer answers tolerated at start-up, 0.1 s apart
 
 
 def _handle(core: EngineCore, msg: fe.Request) -> fe.Reply | None:
@@ -39,6 +42,37 @@ def _handle(core: EngineCore, msg: fe.Request) -> fe.Reply | None:
         return None
 
 
+def _abort_all(core: EngineCore) -> None:
+    """The frontend went away: its clients are gone, so are their requests."""
+    sch = core.scheduler
+    if sch.groups:
+        log.warning("the frontend disconnected: aborting its %d requests", len(sch.groups))
+        sch.abort(list(sch.groups))
+    sch.take_deltas()  # for streams nobody reads any more
+
+
+def _recover(core: EngineCore, why: ComponentError, drain: Callable[[], None], link: FrontendLink,
+             stop: StopFlag, timeout_s: float) -> bool:
+    """Waits for the lost component to come back and resumes every request
+    by recompute; the frontend is told (an unsolicited EngineStats, query 0)
+    when recovery starts and ends, so health tells the truth meanwhile."""
+    t0 = time.monotonic()
+    log.warning("lost a component (%s): recovering by recompute", why)
+    core.recovering = True
+    link.put(core.stats(0))
+    try:
+        n = core.recover(drain, lambda: bool(stop), timeout_s)
+    except ComponentError as e:
+        log.error("recovery failed: %s", e)
+        return False
+    try:
+        link.put(core.stats(0))
+    except ComponentError:  # lost again at once: the loop notices and recovers again
+        pass
+    log.info("recovered in %.2fs: %d requests resume by recompute", time.monotonic() - t0, n)
+    return True
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pagedserve scheduler")
     add_engine_args(p)
@@ -55,38 +89,62 @@ def main(argv: list[str]) -> int:
 
     ctx: zmq.Context[Any] = zmq.Context()
     inbox: ipc.PullQueue[fe.Request] = ipc.PullQueue(ctx, addrs.scheduler_in, fe.Request, bind=True)
-    outbox: ipc.PushQueue[fe.Reply] = ipc.PushQueue(ctx, addrs.scheduler_out, bind=True, stop=lambda: bool(stop))
+    # A put waiting for a frontend gives up on SIGTERM or once none is connected.
+    link = FrontendLink(lambda: bool(stop))
+    outbox: ipc.PushQueue[fe.Reply] = ipc.PushQueue(ctx, addrs.scheduler_out, bind=True, stop=link.give_up)
+    link.attach(outbox)
     # Calls wait in short polls: SIGTERM and a disconnected peer end them at once.
     blockmgr = IpcClient(ctx, addrs.blockmgr, bm.Reply, timeout_s=30.0, stop=lambda: bool(stop))
     worker = IpcClient(ctx, addrs.worker, wk.Reply, timeout_s=args.step_timeout, stop=lambda: bool(stop))
     try:
-        try:
-            core = EngineCore(cfg, blockmgr, worker, init_timeout_s=args.init_timeout)
-        except ComponentError as e:
-            log.error("start-up failed: %s", e)
-            return 0 if stop else 1
+        core = None
+        for _ in range(STARTUP_REFUSALS):
+            try:
+                core = EngineCore(cfg, blockmgr, worker, init_timeout_s=args.init_timeout)
+                break
+            except PeerRefused as e:  # our predecessor's connection is still closing
+                log.warning("start-up: %s; retrying", e)
+                time.sleep(0.1)
+            except ComponentError as e:
+                log.error("start-up failed: %s", e)
+                return 0 if stop else 1
+        if core is None:
+            log.error("start-up failed: the components serve another scheduler")
+            return 1
         log.info("ready: %d GPU blocks of %d tokens, %d CPU blocks", core.ready.num_gpu_blocks,
                  core.ready.block_size, core.ready.num_cpu_blocks)
         serve_scheduler_metrics(args.metrics_port, core, args.metrics_host)
+
+        def drain() -> None:
+            if link.lost():
+                _abort_all(core)
+            while (msg := inbox.get_nowait()) is not None:
+                reply = _handle(core, msg)
+                if reply is not None:
+                    link.put(reply)
+
         while not stop:
-            # Block briefly for input only when idle; otherwise drain and step.
-            if inbox.poll(0 if core.has_work() else 50):
-                while (msg := inbox.get_nowait()) is not None:
-                    reply = _handle(core, msg)
-                    if reply is not None:
-                        outbox.put(reply)
-            if core.has_work():
-                try:
+            try:
+                core.check_peers()
+                if link.lost():
+                    _abort_all(core)
+                # Block briefly for input only when idle; otherwise drain and step.
+                if inbox.poll(0 if core.has_work() else 50):
+                    drain()
+                if core.has_work():
                     deltas = core.step()
-                except ComponentError as e:
-                    log.error("step failed: %s", e)
+                    if deltas:
+                        link.put(fe.Outputs(deltas))
+                elif (deltas := core.scheduler.take_deltas()):
+                    link.put(fe.Outputs(deltas))
+            except ComponentError as e:
+                if stop:
+                    return 0
+                if not _recover(core, e, drain, link, stop, args.init_timeout):
                     return 0 if stop else 1
-                if deltas:
-                    outbox.put(fe.Outputs(deltas))
-            elif (deltas := core.scheduler.take_deltas()):
-                outbox.put(fe.Outputs(deltas))
         return 0
     finally:
+        link.close()
         for sock in (inbox, outbox, blockmgr, worker):
             sock.close()
         ctx.term()

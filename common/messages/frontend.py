@@ -16,6 +16,11 @@ class AddRequest(msgspec.Struct, tag=50, array_like=True):
     params: SamplingParams
     arrival_time: float
     cache_salt: str | None = None
+    # A resumed request (the frontend re-sends it to a restarted scheduler):
+    # the prompt's last ``num_output_tokens`` are output already streamed, so
+    # max_tokens, min_tokens and penalties count them as output.
+    num_output_tokens: int = 0
+    resume: bool = False  # a request id already known here is this request: ignore the copy
 
 
 class AbortRequest(msgspec.Struct, tag=51, array_like=True):
@@ -82,6 +87,9 @@ class EngineStats(msgspec.Struct, tag=62, array_like=True):
     prefix_cache_hits: int
     num_preemptions: int
     num_steps: int
+    # True while the scheduler re-initialises a restarted blockmgr/gpuworker
+    # (health NOT_SERVING; open streams resume afterwards); block counts are 0.
+    recovering: bool = False
 
 
 Reply = Outputs | EngineInfo | EngineStats

@@ -1,0 +1,63 @@
+"""The scheduler's side of its frontend (issue 11): outputs are pushed
+without ever blocking on a frontend that died, and a frontend's disconnect
+is noticed so the engine aborts its requests (their clients are gone) and
+frees their blocks; a restarted frontend connects again and serves."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from pagedserve.common import ipc
+
+NO_FRONTEND_GRACE_S = 2.0  # a frontend that just sent a query may not have its output pipe yet
+
+
+class FrontendLink:
+    """Wraps the output queue; build the queue with ``stop=link.give_up``."""
+
+    def __init__(self, stop: Callable[[], bool]) -> None:
+        self._stop = stop
+        self.outbox: ipc.PushQueue[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None
+        self.connected = 0
+        self._lost = False
+        self._since = 0.0  # when the put in progress began
+
+    def attach(self, outbox: ipc.PushQueue[Any]) -> None:
+        self.outbox = outbox
+        self._monitor = outbox.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+
+    def _events(self) -> None:
+        while self._monitor is not None and self._monitor.poll(0):
+            ev = recv_monitor_message(self._monitor)["event"]
+            if ev == zmq.EVENT_ACCEPTED:
+                self.connected += 1
+            elif ev == zmq.EVENT_DISCONNECTED:
+                self.connected = max(0, self.connected - 1)
+                self._lost = True
+
+    def lost(self) -> bool:
+        """Whether a frontend disconnected since the last call."""
+        self._events()
+        lost, self._lost = self._lost, False
+        return lost
+
+    def give_up(self) -> bool:
+        """The queue's stop test while a put waits: on SIGTERM, or with no
+        frontend connected for ``NO_FRONTEND_GRACE_S`` (its reader is gone)."""
+        self._events()
+        return self._stop() or (self.connected == 0 and time.monotonic() - self._since > NO_FRONTEND_GRACE_S)
+
+    def put(self, msg: msgspec.Struct) -> None:
+        assert self.outbox is not None
+        self._since = time.monotonic()
+        self.outbox.put(msg)
+
+    def close(self) -> None:
+        if self.outbox is not None and self._monitor is not None:
+            self.outbox.sock.disable_monitor()
+            self._monitor.close(linger=0)
