@@ -67,10 +67,10 @@ def test_recompute_preemption_replays_the_grammar_and_n_samples_each_follow_it(m
     small = _engine(model_dir, 40)
     kinds = ["json", "regex", "choice"]
     for i in range(12):
-        small.handle(AddRequest(f"r{i}", ids, SamplingParams(max_tokens=MAX_TOKENS, seed=i,
+        small.handle(AddRequest(f"r{i}", ids, SamplingParams(max_tokens=MAX_TOKENS, seed=i, n=2 if i % 4 == 0 else 1,
                                                              structured=spec(kinds[i % 3])), 0.0))
     out = _texts(small, tok)
-    assert small.scheduler.num_preemptions > 0
+    assert small.scheduler.num_preemptions > 0 and len(out) == 15
     for (rid, _), (text, reason) in out.items():
         assert reason == "stop", (rid, text)
         check_output(kinds[int(rid[1:]) % 3], text)
