@@ -7,7 +7,11 @@ prompts are random token ids, every request generates exactly its sampled
 output length (``ignore_eos``). Over gRPC (``--addr``) or the OpenAI HTTP
 gateway (``--http``). ``--launch "ARGS"`` starts ``pagedserve serve ARGS``
 itself on a free port (e.g. ``--launch "--worker sim"``: the frontend and
-scheduler under load with the SIMULATED worker behind them).
+scheduler under load with the SIMULATED worker behind them). ``--peer vllm``
+then sends the same requests at the same arrival times over HTTP to
+``vllm serve`` from ``.venv-peers`` (started by the bench on the embedded
+model or ``--peer-model``) and prints both reports and the pagedserve / vLLM
+latency ratios; each server gets one warm-up request first.
 
 Reports request and token throughput, TTFT / ITL / TPOT / end-to-end
 percentiles, goodput (completed requests per second that met the SLO:
