@@ -294,7 +294,6 @@ class PushQueue(Generic[T]):
                 return
         self.sock.send(data, copy=False)
 
-
     def close(self) -> None:
         self.sock.close(linger=0)
         if self._bound:

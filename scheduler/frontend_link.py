@@ -41,10 +41,15 @@ class FrontendLink:
                 self._lost = True
 
     def lost(self) -> bool:
-        """Whether a frontend disconnected since the last call."""
+        """Whether a frontend disconnected since the last call. A disconnect
+        while a peer is still connected and writable is a stray connection
+        (raw bytes that never finished the ZeroMQ handshake), not the frontend."""
         self._events()
-        lost, self._lost = self._lost, False
-        return lost
+        if not self._lost:
+            return False
+        self._lost = False
+        assert self.outbox is not None
+        return self.connected == 0 or not self.outbox.sock.poll(0, zmq.POLLOUT)
 
     def give_up(self) -> bool:
         """The queue's stop test while a put waits: on SIGTERM, or with no

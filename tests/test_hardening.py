@@ -94,7 +94,7 @@ def generate_all(s: Server) -> list[list[int]]:
         try:
             with s.client() as c:
                 out[i] = c.generate(PROMPTS[i], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                    timeout=300)[0]
+                                    timeout=120)[0]
         except BaseException as e:  # noqa: BLE001 - reported below
             out[i] = e
 
@@ -104,7 +104,7 @@ def generate_all(s: Server) -> list[list[int]]:
     for t in threads:
         t.join(300)
     for r in out:
-        assert not isinstance(r, BaseException), r
+        assert not isinstance(r, BaseException), f"{r}\n{''.join(s.log[-30:])}"
     return out  # type: ignore[return-value]
 
 
