@@ -188,6 +188,11 @@ def test_sigterm_past_the_shutdown_timeout_ends_streams_with_a_clear_error(tmp_p
         next(stream)
         t0 = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with s.client() as other:  # admission has stopped while the open stream drains
+            with pytest.raises(grpc.RpcError) as refused:
+                other.generate("Hello", max_tokens=2, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
         with pytest.raises(grpc.RpcError) as err:
             for _ in stream:
                 pass
