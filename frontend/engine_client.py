@@ -53,6 +53,7 @@ class EngineClient:
         self._book = ResumeBook()
         self._resume_timeout_s = resume_timeout_s  # a scheduler not back by then: streams end with an error
         self._resuming = False
+        self._health_news = 0  # unsolicited health messages so far: a watchdog answer older than one is stale
         self._link: asyncio.Task[None] | None = None
         self._monitor: Any = None
 
@@ -76,12 +77,14 @@ class EngineClient:
             await asyncio.sleep(interval_s)
             if self._resuming:
                 continue
+            news = self._health_news
             try:
                 s = await self._query(lambda q: fe.StatsQuery(q), timeout_s)
                 ok, lost = not s.recovering, False
             except (asyncio.TimeoutError, EngineUnavailable):
                 ok, lost = False, True
-            await self._set_healthy(ok, lost)
+            if news == self._health_news:  # else the scheduler said something newer meanwhile
+                await self._set_healthy(ok, lost)
 
     async def _set_healthy(self, ok: bool, lost: bool = False) -> None:
         """``lost``: the scheduler does not answer, so open streams end with an
@@ -111,6 +114,7 @@ class EngineClient:
         """NOT_SERVING until a scheduler answers again; then every open stream
         is re-sent with what it already streamed and continues."""
         self._resuming = True
+        self._health_news += 1  # a watchdog query the old scheduler took with it is stale
         loop = asyncio.get_running_loop()
         try:
             await self._set_healthy(False)
@@ -143,6 +147,7 @@ class EngineClient:
             self.fail_all("the engine is unavailable (scheduler lost)")
         finally:
             self._resuming = False
+            self._health_news += 1
 
     async def close(self) -> None:
         for task in (self._reader, self._watchdog, self._link):
@@ -168,6 +173,7 @@ class EngineClient:
             else:
                 if isinstance(msg, fe.EngineStats):
                     if msg.query_id == 0:  # unsolicited: recovery started or ended
+                        self._health_news += 1
                         await self._set_healthy(not msg.recovering)
                         continue
                     self.last_stats = msg
