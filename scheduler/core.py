@@ -294,8 +294,10 @@ class Scheduler:
         for seq, k in plan.await_append.values():
             plan.scheduled[seq.seq_id] = (seq, k)
         plan.await_append.clear()
-        self._settle_admissions(plan, refused)
-        ops: list[bm.Op] = []
+        # A refused group's sequences that did get blocks free them in this
+        # same step (an extra round): their blocks hold no K/V, and freed before
+        # the next step's commit they never become prefix-cache hits.
+        ops: list[bm.Op] = [bm.Free(sid) for sid in self._settle_admissions(plan, refused)]
         for group in swap_refused:
             # No CPU room: fall back to recomputation for this group.
             self.swapped.remove(group)
@@ -318,7 +320,9 @@ class Scheduler:
         if seq.known_to_worker:
             plan.block_diffs.append(wk.BlockDiff(seq.seq_id, res.table_start, list(res.block_ids)))
 
-    def _settle_admissions(self, plan: _StepPlan, refused: set[str]) -> None:
+    def _settle_admissions(self, plan: _StepPlan, refused: set[str]) -> list[int]:
+        """Admits the groups that got everything; returns the seq ids to free."""
+        frees: list[int] = []
         for group in plan.admitted:
             if group.request_id in refused:
                 # All or nothing per group: release what part of it got.
@@ -326,7 +330,7 @@ class Scheduler:
                     plan.scheduled.pop(s.seq_id, None)
                     if s in plan.new_seqs:
                         plan.new_seqs.remove(s)
-                        self._pending_frees.append(s.seq_id)
+                        frees.append(s.seq_id)
                         s.block_table, s.num_computed_tokens = [], 0
                 continue
             if group in self.swapped:
@@ -347,6 +351,7 @@ class Scheduler:
                 self.waiting.popleft()
                 self._finish_group(head, FinishReason.ERROR, "request does not fit in the KV cache")
         plan.admitted = []
+        return frees
 
     def _preempt_for(self, plan: _StepPlan, failed: list[tuple[Sequence, int]]) -> list[bm.Op]:
         """Preempt the latest arrivals until each failed append can be retried.

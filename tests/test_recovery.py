@@ -83,10 +83,10 @@ def requests(parallel: bool) -> list[AddRequest]:
 
 def run(worker: InProcessWorkerClient, blocks: InProcessBlockClient,
         parallel: bool) -> tuple[list[TokenDelta], EngineCore, int]:
-    # Parallel sampling runs without prefix caching: with both, recompute
-    # preemption alone already reads wrong K/V in the simulated worker (a
-    # separate bug, seen without any crash).
-    cfg = EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=64, enable_prefix_caching=not parallel)
+    # With parallel sampling and prefix caching, a group refused after one of
+    # its sequences got blocks must free them before they are committed as
+    # cached (they hold no K/V): the simulated worker reads them back.
+    cfg = EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=64, enable_prefix_caching=True)
     core = EngineCore(cfg, blocks, worker)
     for r in requests(parallel):
         core.handle(r)
