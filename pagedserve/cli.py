@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagedserve {version()}")
         return 0
     cmd, rest = argv[0], argv[1:]
+    if cmd == "gpuworker":
+        from pagedserve.gpuworker.cpu_affinity import bind_worker_threads
+
+        bind_worker_threads(rest)  # before torch is imported
     if cmd == "bench":
         if not rest or rest[0].startswith("-"):
             print("usage: pagedserve bench NAME [args]", file=sys.stderr)
