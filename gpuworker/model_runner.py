@@ -37,6 +37,7 @@ from pagedserve.common.messages.worker import (
     WorkerReady,
 )
 from pagedserve.gpuworker.cache_engine import CacheEngine, bytes_per_block
+from pagedserve.gpuworker.cpu_gemm import pack_model
 from pagedserve.gpuworker.cuda_graph import DecodeGraphs
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, rank_device
 from pagedserve.gpuworker.inputs import PromptLogprobPlan, SeqState, attention_metadata, check_blocks, prepare_batch
@@ -128,6 +129,8 @@ class ModelRunner:
         t0 = time.monotonic()
         self.model = build_model(hf, weights, self.dtype, self.device, max(model_max, self.max_model_len), tp)
         load_s = time.monotonic() - t0
+        if self.device.type == "cpu":
+            pack_model(self.model, cfg.max_num_seqs)  # after loading: packs the loaded weights
         self.backend = get_attention_backend(cfg.attention_backend, self.device)
         for m in self.model.modules():
             if isinstance(m, PagedAttention):
