@@ -15,16 +15,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros, not empty: NaN garbage in never-written slots must not leak
-    through masked reads. On CPU through numpy's calloc, whose large
-    allocations the kernel maps zero-filled on first touch, so a pool of
-    several GiB costs its memory only as sequences fill it."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
-    return torch.from_numpy(raw).view(dtype)
+    through masked reads. Eager on CPU too: torch's allocator asks for huge
+    pages, and touching them up front (0.7 s for 4 GiB here) is 6x cheaper
+    than first-touch faults of lazily zeroed small pages in the middle of
+    steps (measured: 275 ms spikes)."""
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

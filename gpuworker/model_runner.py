@@ -52,8 +52,7 @@ from pagedserve.kernels import get_attention_backend
 
 
 def cpu_default_kv_bytes() -> int:
-    """vLLM's CPU default (4 GiB), but at most a quarter of the machine's memory.
-    The pool is zero-filled lazily, so unused pages cost nothing."""
+    """vLLM's CPU default (4 GiB), but at most a quarter of the machine's memory."""
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
@@ -182,7 +181,10 @@ class ModelRunner:
         elif self.device.type == "cuda":
             n = self._profile_free_bytes() // per_block
         else:
-            n = cpu_default_kv_bytes() // per_block
+            # Never more than max_num_seqs sequences of max_model_len can hold: a
+            # tiny model would otherwise get millions of blocks to manage.
+            full = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
+            n = min(cpu_default_kv_bytes() // per_block, full)
         if n < 2:
             raise ValueError(f"KV cache memory too small: {n} blocks of {per_block} bytes")
         return int(n)

@@ -81,6 +81,11 @@ class PagedserveEngine:
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
+            time.sleep(0.5)  # the log reader takes the worker's last lines
+            # The worker's own account of the time scheduling costs it between steps.
+            for line in self.server.log:
+                if "idle between consecutive steps" in line:
+                    print(f"bench peers: {line.strip()}", flush=True)
 
 
 class HFEngine:
