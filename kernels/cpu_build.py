@@ -20,7 +20,12 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c++17")
+# Compiled with fast math (vectorised expf, reassociated sums) but linked
+# without it: a -ffast-math link adds crtfastmath, whose constructor turns on
+# flush-to-zero for the whole process (hypothesis caught that).
+COMPILE = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17", "-c")
+LINK = ("-shared", "-fopenmp", "-lmvec", "-lm")
+FLAGS = COMPILE + LINK
 DISABLE_ENV = "PAGEDSERVE_CPU_KERNEL"  # "0": never build or use the compiled kernel
 
 
@@ -60,7 +65,12 @@ def load() -> ctypes.CDLL | None:
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
-        proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        obj = tmp[:-3] + ".o"
+        proc = subprocess.run([cxx, *COMPILE, str(SOURCE), "-o", obj], capture_output=True, text=True)
+        if proc.returncode == 0:
+            proc = subprocess.run([cxx, obj, *LINK, "-o", tmp], capture_output=True, text=True)
+        if os.path.exists(obj):
+            os.unlink(obj)
         if proc.returncode != 0:
             os.unlink(tmp)
             print(f"pagedserve: building the CPU attention kernel failed; using the torch path\n{proc.stderr[-2000:]}",

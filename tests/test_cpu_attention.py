@@ -82,3 +82,10 @@ def test_disabled_kernel_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) ->
     finally:
         monkeypatch.delenv(cpu_build.DISABLE_ENV)
         cpu_build.load.cache_clear()
+
+
+def test_loading_the_kernel_keeps_subnormals() -> None:
+    # A -ffast-math link would set flush-to-zero for the whole process (and break hypothesis).
+    assert cpu_build.load() is not None
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert tiny.item() != 0.0 and (tiny * 0.5).item() != 0.0
