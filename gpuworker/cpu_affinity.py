@@ -10,31 +10,26 @@ No torch imports here.
 """
 from __future__ import annotations
 
+import argparse
 import os
 
-DISABLE_ENV = "PAGEDSERVE_WORKER_BIND"  # "0": leave thread placement to the OS
+from pagedserve.common.config import add_engine_args, env_flag  # no torch there
 
-
-def _flag(argv: list[str], names: tuple[str, ...], env: str, default: str) -> str:
-    for i, a in enumerate(argv):
-        if a in names and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(tuple(n + "=" for n in names)):
-            return a.split("=", 1)[1]
-    return os.environ.get(env) or default
+ENV = "WORKER_BIND"  # PAGEDSERVE_WORKER_BIND=0: leave thread placement to the OS
 
 
 def bind_worker_threads(argv: list[str]) -> list[int]:
     """Sets GOMP_CPU_AFFINITY to the cores this process may use (one OpenMP
     thread each) for a single-rank CPU worker; returns them ([] if not bound)."""
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_flag(ENV, True):
         return []
     if "GOMP_CPU_AFFINITY" in os.environ or "OMP_PROC_BIND" in os.environ or "OMP_PLACES" in os.environ:
         return []  # the deployment chose already
-    if _flag(argv, ("--device",), "PAGEDSERVE_DEVICE", "cpu") != "cpu":
-        return []
-    if _flag(argv, ("--tensor-parallel-size", "-tp"), "PAGEDSERVE_TENSOR_PARALLEL_SIZE", "1") != "1":
-        return []  # ranks would pin onto the same cores
+    p = argparse.ArgumentParser(add_help=False)
+    add_engine_args(p)
+    args, _ = p.parse_known_args(argv)  # the worker's own parser reports bad flags later
+    if args.device != "cpu" or args.tensor_parallel_size != 1:
+        return []  # GPU workers, or ranks that would pin onto the same cores
     cores = sorted(os.sched_getaffinity(0))
     threads = os.environ.get("PAGEDSERVE_WORKER_THREADS")
     if threads:

@@ -10,18 +10,18 @@ sits beside the original (the embedding and the tests still read that one).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-DISABLE_ENV = "PAGEDSERVE_CPU_PACKED_GEMM"
+from pagedserve.common.config import env_flag
+
+ENV = "CPU_PACKED_GEMM"  # PAGEDSERVE_CPU_PACKED_GEMM=0: plain F.linear
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packed_gemm_available() -> bool:
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_flag(ENV, True):
         return False
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 

@@ -31,9 +31,6 @@ def paged_attention_cpu(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
-    *,
-    max_seq_len: int | None = None,
-    max_query_len: int | None = None,
 ) -> torch.Tensor:
     lib = cpu_build.load()
     code = _DTYPE_CODES.get(q.dtype)

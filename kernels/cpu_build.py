@@ -19,6 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pagedserve.common.config import env_flag
+from pagedserve.common.default_model import cache_dir
+
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 # Compiled with fast math (vectorised expf, reassociated sums) but linked
 # without it: a -ffast-math link adds crtfastmath, whose constructor turns on
@@ -26,7 +29,8 @@ SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 COMPILE = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17", "-c")
 LINK = ("-shared", "-fopenmp", "-lmvec", "-lm")
 FLAGS = COMPILE + LINK
-DISABLE_ENV = "PAGEDSERVE_CPU_KERNEL"  # "0": never build or use the compiled kernel
+ENV = "CPU_KERNEL"  # PAGEDSERVE_CPU_KERNEL=0: never build or use the compiled kernel
+DISABLE_ENV = "PAGEDSERVE_" + ENV
 
 
 def _cpu_id() -> str:
@@ -37,11 +41,6 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("PAGEDSERVE_CACHE")
-    return (Path(env) if env else Path.home() / ".cache" / "pagedserve") / "kernels"
-
-
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
@@ -49,7 +48,7 @@ def _compiler() -> str | None:
 @functools.lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
     """The loaded library, or None (disabled, no compiler, or the build failed)."""
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_flag(ENV, True):
         return None
     cxx = _compiler()
     if cxx is None:
@@ -60,7 +59,7 @@ def load() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError):
         return None
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, " ".join(FLAGS), _cpu_id()]).encode()).hexdigest()[:16]
-    lib = _cache_dir() / key / "libpagedserve_cpu.so"
+    lib = cache_dir() / "kernels" / key / "libpagedserve_cpu.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
