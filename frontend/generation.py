@@ -23,7 +23,7 @@ from typing import Any
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.metrics import FrontendMetrics
 from pagedserve.frontend.engine_client import EngineClient, EngineUnavailable, Item
-from pagedserve.frontend.outputs import Chunk, Logprob, OutputState
+from pagedserve.frontend.outputs import Chunk, Logprob, OutputState, merge_into
 from pagedserve.frontend.prompt_bound import max_chars_per_token
 from pagedserve.frontend.validation import (
     Limits,
@@ -315,10 +315,7 @@ class RequestStream:
                 self._last_token_at[d.index] = t
             chunk = st.on_delta(d)
             if chunk is not None:
-                if chunk.index in merged:
-                    merged[chunk.index].merge(chunk)
-                else:
-                    merged[chunk.index] = chunk
+                merge_into(merged, chunk)
                 if chunk.finish_reason is not None:
                     self.finish_reason = chunk.finish_reason
         if sum(o.finished for o in self.outputs.values()) >= self.n:
@@ -328,6 +325,14 @@ class RequestStream:
                 m.request_success.labels(self.finish_reason or "stop").inc()
                 m.prompt_len.observe(len(self.req.prompt_ids))
         return sorted(merged.values(), key=lambda c: c.index)
+
+    async def collect(self) -> dict[int, Chunk]:
+        """Every chunk to the end, merged per index (non-streaming answers)."""
+        merged: dict[int, Chunk] = {}
+        while (chunks := await self.next()) is not None:
+            for c in chunks:
+                merge_into(merged, c)
+        return merged
 
     def close(self) -> None:
         if not self._admitted:

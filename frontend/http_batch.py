@@ -109,7 +109,7 @@ async def run_batch(gw: "Gateway", request: web.Request, body: dict[str, Any], p
         ctx = _Ctx(f"cmpl-{streams[0].request_id}", "text_completion", gw._model_name(), n)
         if body.get("stream"):
             return await _stream(gw, request, body, streams, echoes, ctx)
-        results = await asyncio.gather(*(_collect(s) for s in streams))
+        results = await asyncio.gather(*(s.collect() for s in streams))
         choices = []
         for i, merged in enumerate(results):
             for j in range(max(n, len(merged))):
@@ -127,15 +127,6 @@ async def run_batch(gw: "Gateway", request: web.Request, body: dict[str, Any], p
             s.close()
 
 
-async def _collect(stream: RequestStream) -> dict[int, Chunk]:
-    merged: dict[int, Chunk] = {}
-    while (chunks := await stream.next()) is not None:
-        for c in chunks:
-            if c.index in merged:
-                merged[c.index].merge(c)
-            else:
-                merged[c.index] = c
-    return merged
 
 
 def _usage(streams: list[RequestStream]) -> dict[str, int]:

@@ -295,13 +295,7 @@ class Gateway:
         try:
             if body.get("stream"):
                 return await self._stream(request, body, stream, ctx, choice)
-            merged: dict[int, Chunk] = {}
-            while (chunks := await stream.next()) is not None:
-                for c in chunks:
-                    if c.index in merged:
-                        merged[c.index].merge(c)
-                    else:
-                        merged[c.index] = c
+            merged = await stream.collect()
             choices = [choice(merged.get(i, Chunk(i)), None) for i in range(max(ctx.n, len(merged)))]
             return web.json_response({"id": ctx.id, "object": ctx.object, "created": ctx.created,
                                       "model": ctx.model, "choices": choices, "usage": _usage(stream)})

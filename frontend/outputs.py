@@ -88,6 +88,14 @@ class Chunk:
             self.cumulative_logprob = later.cumulative_logprob
 
 
+def merge_into(merged: dict[int, Chunk], chunk: Chunk) -> None:
+    """Fold ``chunk`` into the pending output of its index."""
+    if chunk.index in merged:
+        merged[chunk.index].merge(chunk)
+    else:
+        merged[chunk.index] = chunk
+
+
 class OutputState:
     """One of a request's n outputs."""
 
