@@ -45,7 +45,7 @@ class Batch:
 
 
 def prepare_batch(
-    scheduled: list[tuple[SeqState, int]], block_size: int, max_model_len: int, num_blocks: int, device: torch.device
+    scheduled: list[tuple[SeqState, int]], block_size: int, max_model_len: int, device: torch.device
 ) -> Batch:
     """Validate the schedule against each sequence's state and build the batch.
     Block ids were checked against the pool when they arrived (``check_blocks``)."""

@@ -50,7 +50,6 @@ from pagedserve.gpuworker.structured import StructuredDecoding
 from pagedserve.kernels import get_attention_backend
 
 
-
 def cpu_default_kv_bytes() -> int:
     """vLLM's CPU default (4 GiB), but at most a quarter of the machine's memory."""
     try:
@@ -58,6 +57,7 @@ def cpu_default_kv_bytes() -> int:
     except (ValueError, OSError):
         ram = 16 << 30
     return min(4 << 30, ram // 4)
+
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CUDA_GRAPHS_ENV = "PAGEDSERVE_CUDA_GRAPHS"  # "0" disables decode CUDA graphs
@@ -288,7 +288,7 @@ class ModelRunner:
         if not step.scheduled:
             return StepResult(step.step_id, [], time.perf_counter() - t0)
         scheduled = [(self._seq(s.seq_id), s.num_tokens) for s in step.scheduled]
-        batch = prepare_batch(scheduled, self.cfg.block_size, self.max_model_len, self.cache.num_gpu_blocks, self.device)
+        batch = prepare_batch(scheduled, self.cfg.block_size, self.max_model_len, self.device)
         if self.graphs is not None and batch.decode_only and len(scheduled) <= self.graphs.max_batch:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import torch
 from models import make_tiny_model
-from test_worker import Driver, hf_logits, prompts
+from test_worker import GREEDY, Driver, hf_logits, prompts
 from transformers import AutoModelForCausalLM
 
 from pagedserve.common.config import EngineConfig
-from pagedserve.common.messages.types import SamplingParams
 from pagedserve.gpuworker.model_runner import ModelRunner
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
 def test_bfloat16_on_cpu_within_bf16_bounds_of_transformers(tmp_path) -> None:
