@@ -85,6 +85,10 @@ class Scheduler:
 
     # ------------------------------------------------------------ requests
     def add_request(self, req: AddRequest) -> None:
+        # A resumed sample of a parallel-sampling request is sent as "ID/INDEX" (frontend/resume.py;
+        # "/" is never in a frontend request id): the original group reached this scheduler too.
+        if req.resume and "/" in req.request_id and req.request_id.rpartition("/")[0] in self.groups:
+            return
         if req.request_id in self.groups:
             if req.resume:  # the original reached this scheduler too: it runs already
                 return
