@@ -132,16 +132,10 @@ class EngineClient:
                         log.error("no scheduler within %.0fs: open streams end", self._resume_timeout_s)
                         self.fail_all("the engine is unavailable (scheduler lost)")
                         return
-            again, lost = self._book.resumed()
-            now = time.monotonic()
-            for rid in lost:
-                if (q := self._streams.get(rid)) is not None:
-                    q.put_nowait((now, fe.TokenDelta(rid, 0, [], "error", 0,
-                                                     "the engine is unavailable (scheduler restarted; n > 1 and "
-                                                     "beam search cannot resume)")))
+            again = self._book.resumed()
             for req in again:
                 await self._send(req)
-            log.info("scheduler back: %d requests resumed, %d ended", len(again), len(lost))
+            log.info("scheduler back: %d requests resumed (%d sent)", len(self._book), len(again))
             await self._set_healthy(True)
         except EngineUnavailable:
             self.fail_all("the engine is unavailable (scheduler lost)")
@@ -166,10 +160,9 @@ class EngineClient:
             if isinstance(msg, fe.Outputs):
                 now = time.monotonic()
                 for d in msg.deltas:
-                    q = self._streams.get(d.request_id)
-                    if q is not None:
-                        self._book.on_delta(d)
-                        q.put_nowait((now, d))
+                    routed = self._book.route(d)  # a resumed sample's delta, renamed to its request
+                    if routed is not None and (q := self._streams.get(routed.request_id)) is not None:
+                        q.put_nowait((now, routed))
             else:
                 if isinstance(msg, fe.EngineStats):
                     if msg.query_id == 0:  # unsolicited: recovery started or ended
@@ -235,9 +228,10 @@ class EngineClient:
         """Forget a stream; tell the engine to abort it if it did not finish.
         Safe to call from a cancelled handler: the abort is sent by a task."""
         self._streams.pop(request_id, None)
+        ids = self._book.engine_ids(request_id)
         self._book.forget(request_id)
         if abort:
-            task = asyncio.get_running_loop().create_task(self._send_quietly(fe.AbortRequest([request_id])))
+            task = asyncio.get_running_loop().create_task(self._send_quietly(fe.AbortRequest(ids)))
             self._bg.add(task)
             task.add_done_callback(self._bg.discard)
 
@@ -249,7 +243,7 @@ class EngineClient:
 
     async def abort(self, request_ids: list[str]) -> int:
         known = [r for r in request_ids if r in self._streams]
-        await self._send(fe.AbortRequest(request_ids))
+        await self._send(fe.AbortRequest([e for r in request_ids for e in self._book.engine_ids(r)]))
         return len(known)
 
     def fail_all(self, error: str) -> None:

@@ -1,10 +1,18 @@
 """What the frontend needs to resume its requests on a restarted scheduler
 (issue 11): each in-flight request as sent, and the tokens already streamed
-for it. A resumed request's prompt is the original prompt plus those tokens,
-marked as output (``num_output_tokens``), so the new scheduler recomputes
-them and streams only what follows: no duplicate, no gap. Seeded sampling
-draws the same tokens (the sampler keys on (seed, position)). Parallel
-sampling and beam search keep no single token stream: they are not resumed."""
+for each of its outputs. A resumed request's prompt is the original prompt
+plus those tokens, marked as output (``num_output_tokens``), so the new
+scheduler recomputes them and streams only what follows: no duplicate, no
+gap. Seeded sampling draws the same tokens (the sampler keys on (seed,
+position)).
+
+Parallel sampling (n > 1) resumes per sample: sample i of a request seeded
+s is exactly the single request seeded s + i (scheduler/core.py,
+``_worker_params``), so each unfinished sample is re-sent as its own n = 1
+request ``ID/i`` with its own streamed tokens, and its outputs are routed
+back to index i of ID. Beam search streams nothing until its final beams,
+and it is deterministic (greedy over the top logprobs), so it is re-sent
+unchanged and searches again from the prompt: the same beams."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,46 +21,83 @@ import msgspec
 
 from pagedserve.common.messages import frontend as fe
 
+SAMPLE_SEP = "/"  # never in a frontend request id (frontend/validation.py), so ID/i cannot collide
+
 
 @dataclass
 class _InFlight:
     req: fe.AddRequest
-    streamed: list[int] = field(default_factory=list)
-    resumable: bool = True
+    streamed: dict[int, list[int]] = field(default_factory=dict)  # output index -> tokens streamed
+    finished: set[int] = field(default_factory=set)
+
+    @property
+    def num_outputs(self) -> int:
+        return max(1, self.req.params.n)
 
 
 class ResumeBook:
     def __init__(self) -> None:
         self._reqs: dict[str, _InFlight] = {}
+        self._samples: dict[str, tuple[str, int]] = {}  # engine id of a resumed sample -> (request id, index)
 
     def sent(self, req: fe.AddRequest) -> None:
-        p = req.params
-        self._reqs[req.request_id] = _InFlight(req, resumable=p.n == 1 and p.beam_width <= 1)
+        self._reqs[req.request_id] = _InFlight(req)
 
-    def on_delta(self, d: fe.TokenDelta) -> None:
-        f = self._reqs.get(d.request_id)
-        if f is None:
-            return
-        if d.index != 0 or d.replace:
-            f.resumable = False
+    def route(self, d: fe.TokenDelta) -> fe.TokenDelta | None:
+        """Records a delta from the engine and returns it as its stream sees
+        it (a resumed sample's delta renamed to its request and index), or
+        None for a request no longer here."""
+        if d.request_id in self._reqs:
+            rid = d.request_id
+        elif (sample := self._samples.get(d.request_id)) is not None:
+            rid, index = sample
+            d = msgspec.structs.replace(d, request_id=rid, index=index)
         else:
-            f.streamed += d.token_ids
+            return None
+        f = self._reqs[rid]
+        if not d.replace:  # beam search's final beams are not resumed from (it searches again)
+            f.streamed.setdefault(d.index, []).extend(d.token_ids)
+        if d.finish_reason is not None:
+            f.finished.add(d.index)
+        return d
+
+    def engine_ids(self, request_id: str) -> list[str]:
+        """Every id the engine may know this request by (to abort it)."""
+        return [request_id, *(s for s, (rid, _) in self._samples.items() if rid == request_id)]
 
     def forget(self, request_id: str) -> None:
-        self._reqs.pop(request_id, None)
+        f = self._reqs.pop(request_id, None)
+        if f is not None and f.req.params.n > 1:
+            for i in range(f.req.params.n):
+                self._samples.pop(f"{request_id}{SAMPLE_SEP}{i}", None)
 
     def __len__(self) -> int:
         return len(self._reqs)
 
-    def resumed(self) -> tuple[list[fe.AddRequest], list[str]]:
-        """The requests to re-send, and the ids that cannot be resumed."""
-        out, lost = [], []
+    def resumed(self) -> list[fe.AddRequest]:
+        """The requests to re-send to a new scheduler (``resume=True``: a copy
+        of a request it got already is ignored)."""
+        out = []
         for rid, f in self._reqs.items():
-            if not f.resumable:
-                lost.append(rid)
-                continue
-            r = f.req
-            out.append(msgspec.structs.replace(r, prompt_token_ids=[*r.prompt_token_ids, *f.streamed],
-                                               num_output_tokens=r.num_output_tokens + len(f.streamed),
-                                               resume=True))
-        return out, lost
+            r, p = f.req, f.req.params
+            if len(f.finished) >= f.num_outputs:
+                continue  # its stream has everything
+            if p.beam_width > 1:
+                out.append(msgspec.structs.replace(r, resume=True))
+            elif p.n == 1:
+                out.append(self._continued(r, f.streamed.get(0, [])))
+            else:
+                for i in range(p.n):
+                    if i in f.finished:
+                        continue
+                    sid = f"{rid}{SAMPLE_SEP}{i}"
+                    self._samples[sid] = (rid, i)
+                    one = msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                    out.append(self._continued(msgspec.structs.replace(r, request_id=sid, params=one),
+                                               f.streamed.get(i, [])))
+        return out
+
+    @staticmethod
+    def _continued(r: fe.AddRequest, streamed: list[int]) -> fe.AddRequest:
+        return msgspec.structs.replace(r, prompt_token_ids=[*r.prompt_token_ids, *streamed],
+                                       num_output_tokens=r.num_output_tokens + len(streamed), resume=True)
