@@ -22,20 +22,25 @@ Conventions
   (Allocate always, Fork for the child, Append only when it added or
   replaced a block, SwapOut/SwapIn per sequence) or that answered
   ``NO_ROOM``. Free answers nothing: it cannot fail.
-* Swaps move a whole group; a block shared inside it moves once and stays
-  shared. Each pool keeps its own prefix-key map, so a swap reuses, without
-  a copy, a block whose content the destination pool still holds.
+* Swaps move a whole group (``swap.py``); prefix-cache keys are computed in
+  ``prefix_cache.py``; each table is a ``seq_table.SeqTable``. The blockmgr
+  owns the block tables; the scheduler and the worker keep copies built only
+  from the diffs it answers (docs/architecture.md, "Who owns what").
+* Only the blockmgr knows the watermark: ``BlockStats.num_admissible_gpu_blocks``
+  tells the scheduler how many free blocks admissions may take.
 * The worker must run, before the forward pass: ``swap_out`` copies, then
   ``swap_in`` copies, then ``copies`` (CoW); a block freed or swapped out
   earlier in the step may be the destination of a later op.
 """
 from __future__ import annotations
 
-import hashlib
-from array import array
-
 from pagedserve.blockmgr.block_pool import Block, BlockPool
+from pagedserve.blockmgr.prefix_cache import hash_block, lookup_prefix, root_key
+from pagedserve.blockmgr.seq_table import BlockManagerError, SeqTable, StepStart
+from pagedserve.blockmgr.swap import SwapOps
+from pagedserve.common.blocks import NULL_BLOCK, NUM_RESERVED_GPU_BLOCKS, cdiv, usable_gpu_blocks
 from pagedserve.common.messages.blockmgr import (
+    DEFAULT_WATERMARK,
     Allocate,
     Append,
     BlockStats,
@@ -49,58 +54,20 @@ from pagedserve.common.messages.blockmgr import (
     SwapOut,
 )
 
-NULL_BLOCK = 0
+__all__ = ["NULL_BLOCK", "BlockManager", "BlockManagerError", "hash_block"]
+
 _OK = Status.OK
 _NO_ROOM = Status.NO_ROOM
 
 
-class BlockManagerError(ValueError):
-    """A protocol error (unknown or duplicate sequence, wrong state). Earlier
-    ops of the same step stay applied: the caller should reset."""
-
-
-def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
-    """Key of a full block: chained over the parent block's key."""
-    try:
-        data = b"q" + array("q", token_ids).tobytes()
-    except OverflowError:  # ids beyond int64 still hash, they just take the slow path
-        data = b"r" + repr(token_ids).encode()
-    return hashlib.sha256(parent + data).digest()
-
-
-def _root_key(cache_salt: str | None) -> bytes:
-    if cache_salt is None:
-        return b""
-    return hashlib.sha256(b"salt\x00" + cache_salt.encode()).digest()
-
-
-class _Seq:
-    """One sequence's table. ``tail`` holds the token ids of the partly
-    filled last block and ``last_key`` the key of the last full one (both
-    only with prefix caching)."""
-
-    __slots__ = ("table", "num_tokens", "tail", "last_key", "on_cpu", "mark", "mark_step")
-
-    def __init__(self, table: list[Block], num_tokens: int, tail: list[int], last_key: bytes, on_cpu: bool = False) -> None:
-        self.table = table
-        self.num_tokens = num_tokens
-        self.tail = tail
-        self.last_key = last_key
-        self.on_cpu = on_cpu
-        # (num_tokens, last_key, tail) before this step's first Append, so a
-        # swap-out later in the step can give back the slots it will not use
-        self.mark: tuple[int, bytes, list[int]] | None = None
-        self.mark_step = -1
-
-
-class BlockManager:
+class BlockManager(SwapOps):
     def __init__(
         self,
         num_gpu_blocks: int,
         num_cpu_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = True,
-        watermark: float = 0.01,
+        watermark: float = DEFAULT_WATERMARK,
     ) -> None:
         if num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be at least 2 (block 0 is the null block)")
@@ -111,13 +78,13 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark = watermark
-        self.watermark_blocks = int(watermark * (num_gpu_blocks - 1))
+        self.watermark_blocks = int(watermark * usable_gpu_blocks(num_gpu_blocks))
         self.reset()
 
     def reset(self) -> None:
-        self.gpu = BlockPool(self.num_gpu_blocks, first_usable=NULL_BLOCK + 1)
+        self.gpu = BlockPool(self.num_gpu_blocks, first_usable=NUM_RESERVED_GPU_BLOCKS)
         self.cpu = BlockPool(self.num_cpu_blocks)
-        self.seqs: dict[int, _Seq] = {}
+        self.seqs: dict[int, SeqTable] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._pending: list[Block] = []  # filled this step, cached at the next
@@ -193,14 +160,9 @@ class BlockManager:
                 commit(b)
             self._pending = []
 
-    def take_copies(self) -> list[tuple[int, int]]:
-        """CoW copies recorded by ``append_slots`` since the last call."""
-        copies, self._copies = self._copies, []
-        return copies
-
     # ---- fine-grained operations -------------------------------------------
 
-    def _seq(self, seq_id: int, on_gpu: bool = True) -> _Seq:
+    def _seq(self, seq_id: int, on_gpu: bool = True) -> SeqTable:
         s = self.seqs.get(seq_id)
         if s is None:
             raise BlockManagerError(f"unknown seq_id {seq_id}")
@@ -208,35 +170,18 @@ class BlockManager:
             raise BlockManagerError(f"seq_id {seq_id} is swapped out")
         return s
 
-    def _lookup_prefix(self, token_ids: list[int], root: bytes) -> tuple[list[Block], bytes, int]:
-        """Cached full blocks of the prompt, never the whole prompt; returns
-        them, the key of the last hit and the number of blocks looked up."""
-        if not self.enable_prefix_caching:
-            return [], root, 0
-        bs = self.block_size
-        max_hits = (len(token_ids) - 1) // bs
-        cached = self.gpu.cached
-        hits: list[Block] = []
-        key = root
-        for i in range(max_hits):
-            k = hash_block(key, token_ids[i * bs:(i + 1) * bs])
-            b = cached.get(k)
-            if b is None:
-                break
-            hits.append(b)
-            key = k
-        return hits, key, max_hits
-
     def _plan_allocate(
         self, seq_id: int, token_ids: list[int], num_new_tokens: int, cache_salt: str | None
     ) -> tuple[list[Block], bytes, int, int, int, int]:
         if not token_ids or num_new_tokens < 0:
             raise BlockManagerError(f"seq_id {seq_id}: empty prompt or negative num_new_tokens")
-        root = _root_key(cache_salt) if self.enable_prefix_caching else b""
-        hits, key, queried = self._lookup_prefix(token_ids, root)
+        if self.enable_prefix_caching:
+            hits, key, queried = lookup_prefix(self.gpu.cached, token_ids, root_key(cache_salt), self.block_size)
+        else:
+            hits, key, queried = [], b"", 0
         num_cached = len(hits) * self.block_size
         num_sched = min(num_new_tokens, len(token_ids) - num_cached)
-        num_blocks = -(-(num_cached + num_sched) // self.block_size)
+        num_blocks = cdiv(num_cached + num_sched, self.block_size)
         revived = sum(1 for b in hits if b.ref_cnt == 0)  # leave the free queue
         need = num_blocks - len(hits) + revived
         return hits, key, queried, num_cached, num_sched, need
@@ -260,7 +205,7 @@ class BlockManager:
             gpu.ref(b)
         bs = self.block_size
         total = num_cached + num_sched
-        table = hits + [gpu.take() for _ in range(-(-total // bs) - len(hits))]
+        table = hits + [gpu.take() for _ in range(cdiv(total, bs) - len(hits))]
         tail: list[int] = []
         if self.enable_prefix_caching:
             self.prefix_cache_queries += queried
@@ -270,18 +215,8 @@ class BlockManager:
                 table[i].pending_hash = key
                 self._pending.append(table[i])
             tail = token_ids[(total // bs) * bs:total]
-        self.seqs[seq_id] = _Seq(table, total, tail, key)
+        self.seqs[seq_id] = SeqTable(table, total, tail, key)
         return SeqResult(seq_id, _OK, 0, [b.block_id for b in table], num_cached, num_sched)
-
-    def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:
-        s = self._seq(seq_id)
-        return self.gpu.num_free >= self._append_need(s, num_tokens)
-
-    def _append_need(self, s: _Seq, k: int) -> int:
-        nt, table = s.num_tokens, s.table
-        new = -(-(nt + k) // self.block_size) - len(table)
-        cow = nt % self.block_size != 0 and table[-1].ref_cnt > 1
-        return max(new, 0) + cow
 
     def append_slots(self, seq_id: int, token_ids: list[int]) -> SeqResult | None:
         """Slots for ``token_ids``; None when the block table is unchanged."""
@@ -296,13 +231,12 @@ class BlockManager:
         table = s.table
         nt = s.num_tokens
         result: SeqResult | None = None
-        if s.mark_step != self._step_no:
-            s.mark = (nt, s.last_key, list(s.tail))
-            s.mark_step = self._step_no
+        if s.start_of(self._step_no) is None:
+            s.step_start = StepStart(self._step_no, nt, s.last_key, list(s.tail))
         if nt + k > len(table) * bs or (nt % bs and table[-1].ref_cnt > 1):
             gpu = self.gpu
             cow = nt % bs != 0 and table[-1].ref_cnt > 1
-            new = -(-(nt + k) // bs) - len(table)
+            new = cdiv(nt + k, bs) - len(table)
             if gpu.num_free < new + cow:
                 return SeqResult(seq_id, _NO_ROOM)
             start = len(table)
@@ -343,9 +277,9 @@ class BlockManager:
         ref = self.gpu.ref
         for b in p.table:
             ref(b)
-        child = self.seqs[child_seq_id] = _Seq(list(p.table), p.num_tokens, list(p.tail), p.last_key)
-        if p.mark_step == self._step_no and p.mark is not None:
-            child.mark, child.mark_step = (p.mark[0], p.mark[1], list(p.mark[2])), p.mark_step
+        start = p.start_of(self._step_no)
+        self.seqs[child_seq_id] = SeqTable(list(p.table), p.num_tokens, list(p.tail), p.last_key,
+                                           step_start=start and start._replace(tail=list(start.tail)))
         return SeqResult(child_seq_id, _OK, 0, [b.block_id for b in p.table])
 
     def free(self, seq_id: int) -> None:
@@ -354,126 +288,6 @@ class BlockManager:
         unref = (self.cpu if s.on_cpu else self.gpu).unref
         for b in reversed(s.table):  # tail first: evicted before the chain's head
             unref(b)
-
-    def _group(self, seq_ids: list[int], on_cpu: bool) -> list[_Seq]:
-        if len(set(seq_ids)) != len(seq_ids):
-            raise BlockManagerError(f"duplicate seq ids in group {seq_ids}")
-        group = [self._seq(i, on_gpu=False) for i in seq_ids]
-        for i, s in zip(seq_ids, group):
-            if s.on_cpu != on_cpu:
-                raise BlockManagerError(f"seq_id {i} is {'on the GPU' if not s.on_cpu else 'swapped out'}")
-        return group
-
-    def _kept(self, s: _Seq) -> int:
-        """Blocks a swap-out keeps: those holding tokens from before this
-        step's Appends (a sequence swapped out does not run this step)."""
-        if s.mark_step == self._step_no and s.mark is not None:
-            return -(-s.mark[0] // self.block_size)
-        return len(s.table)
-
-    def _rollback_step(self, s: _Seq) -> None:
-        """Give back the slots this step's Appends reserved for ``s``."""
-        if s.mark_step != self._step_no or s.mark is None:
-            return
-        nt0, key0, tail0 = s.mark
-        bs = self.block_size
-        keep = -(-nt0 // bs)
-        for b in s.table[nt0 // bs:s.num_tokens // bs]:
-            b.pending_hash = None  # filled by tokens that will not be computed
-        for b in reversed(s.table[keep:]):
-            self.gpu.unref(b)
-        del s.table[keep:]
-        s.num_tokens, s.last_key, s.tail = nt0, key0, tail0
-        s.mark, s.mark_step = None, -1
-
-    def _existing(self, b: Block, dst: BlockPool) -> Block | None:
-        """A ``dst`` block that holds (or by the swap-outs' time will hold)
-        ``b``'s content without a copy, if any."""
-        if dst is self.cpu:
-            c = self._swapin_src.get(self._cow_src.get(b.block_id, b.block_id))
-            if c is not None:  # swapped in this step: its CPU source is still intact (held)
-                return c
-        return dst.cached.get(b.block_hash) if b.block_hash is not None else None
-
-    def _need(self, group: list[_Seq], dst: BlockPool) -> int:
-        """Free ``dst`` blocks a move takes: one per distinct block of the
-        group, unless ``dst`` already holds its content."""
-        need = 0
-        seen: set[int] = set()
-        out = dst is self.cpu
-        for s in group:
-            for b in s.table[: self._kept(s)] if out else s.table:
-                if b.block_id in seen:
-                    continue
-                seen.add(b.block_id)
-                d = self._existing(b, dst)
-                if d is None or (d.ref_cnt == 0 and not d.held):
-                    need += 1
-        return need
-
-    def can_swap_out(self, seq_ids: list[int]) -> bool:
-        return self._need(self._group(seq_ids, on_cpu=False), self.cpu) <= self.cpu.num_free
-
-    def can_swap_in(self, seq_ids: list[int]) -> bool:
-        need = self._need(self._group(seq_ids, on_cpu=True), self.gpu)
-        return self.gpu.num_free - need >= self.watermark_blocks
-
-    def _move(self, group: list[_Seq], src: BlockPool, dst: BlockPool) -> list[tuple[int, int]]:
-        """Give each distinct block of the group one block in ``dst``: blocks
-        shared inside the group stay shared, and a block whose content
-        ``dst`` already holds is reused without a copy. The worker runs
-        swap-outs first, so a swap-out copies a CoW destination of this step
-        from its source."""
-        moved: dict[int, Block] = {}
-        mapping: list[tuple[int, int]] = []
-        to_gpu = dst is self.gpu
-        for s in group:
-            new_table = []
-            for b in s.table:
-                d = moved.get(b.block_id)
-                if d is None:
-                    d = self._existing(b, dst)
-                if d is not None:
-                    dst.ref(d)
-                else:
-                    d = dst.take()
-                    key = b.block_hash
-                    if to_gpu:
-                        mapping.append((b.block_id, d.block_id))
-                        self._swapin_src[d.block_id] = b
-                        src.hold_ids.add(b.block_id)  # read by the swap-in: keep it this step
-                        if key is not None:  # cached once the copy has run (next step)
-                            d.pending_hash = key
-                            self._pending.append(d)
-                    else:
-                        mapping.append((self._cow_src.get(b.block_id, b.block_id), d.block_id))
-                        if key is not None:  # swap-outs run before anything reuses it
-                            d.block_hash = key
-                            dst.cached[key] = d
-                moved[b.block_id] = d
-                new_table.append(d)
-            for b in reversed(s.table):
-                src.unref(b)
-            s.table = new_table
-            s.on_cpu = not to_gpu
-        return mapping
-
-    def swap_out(self, seq_ids: list[int]) -> list[tuple[int, int]] | None:
-        """(gpu, cpu) pairs to copy, or None when the CPU pool has no room.
-        Slots this step's Appends reserved for the group are given back."""
-        group = self._group(seq_ids, on_cpu=False)
-        if self._need(group, self.cpu) > self.cpu.num_free:
-            return None
-        for s in group:
-            self._rollback_step(s)
-        return self._move(group, self.gpu, self.cpu)
-
-    def swap_in(self, seq_ids: list[int]) -> list[tuple[int, int]] | None:
-        """(cpu, gpu) pairs to copy, or None when the GPU pool has no room."""
-        group = self._group(seq_ids, on_cpu=True)
-        if self.gpu.num_free - self._need(group, self.gpu) < self.watermark_blocks:
-            return None
-        return self._move(group, self.cpu, self.gpu)
 
     # ---- introspection ------------------------------------------------------
 
@@ -490,6 +304,7 @@ class BlockManager:
             self.prefix_cache_queries,
             self.prefix_cache_hits,
             self.gpu.num_shared_refs,
+            self.gpu.num_free - self.watermark_blocks,
         )
 
     def check_integrity(self) -> None:
@@ -500,7 +315,7 @@ class BlockManager:
             ids = [b.block_id for b in s.table]
             if len(set(ids)) != len(ids):
                 raise AssertionError(f"seq {seq_id}: a block appears twice in its table {ids}")
-            if len(ids) != -(-s.num_tokens // bs):
+            if len(ids) != cdiv(s.num_tokens, bs):
                 raise AssertionError(f"seq {seq_id}: {len(ids)} blocks for {s.num_tokens} tokens")
             pool = self.cpu if s.on_cpu else self.gpu
             for b in s.table:

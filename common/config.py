@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.common import curve
+from pagedserve.common.messages.blockmgr import DEFAULT_WATERMARK
 from pagedserve.common.rundir import default_run_dir
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
@@ -64,10 +65,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # None: the model's own
     enable_prefix_caching: bool = True
-    # Share of the KV blocks kept free when admitting (running sequences may
-    # still grow into it). Above vLLM's 1 %: the serving simulation shows it
-    # cuts recompute thrash under overload 4-5x (docs/serving-sim.md).
-    kv_watermark: float = 0.05
+    kv_watermark: float = DEFAULT_WATERMARK  # share of KV blocks kept free when admitting
     preemption_mode: str = "recompute"  # recompute | swap | auto
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     worker: str = "model"  # model | sim (SIMULATED: no model, cost-model step times)

@@ -91,7 +91,7 @@ def engine_stats_metrics(s: Any) -> Iterator[Metric]:
 
 
 def block_stats_metrics(s: Any) -> Iterator[Metric]:
-    usage = 1.0 - s.num_free_gpu_blocks / s.num_gpu_blocks if s.num_gpu_blocks else 0.0
+    usage = s.kv_usage
     yield _gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", usage)
     yield _gauge("num_gpu_blocks", "KV blocks in the GPU pool.", s.num_gpu_blocks)
     yield _gauge("num_free_gpu_blocks", "Free KV blocks in the GPU pool.", s.num_free_gpu_blocks)

@@ -246,8 +246,8 @@ class EngineClient:
         await self._send(fe.AbortRequest([e for r in request_ids for e in self._book.engine_ids(r)]))
         return len(known)
 
-    def fail_all(self, error: str) -> None:
+    def fail_all(self, error: str, kind: fe.ErrorKind = fe.ErrorKind.UNAVAILABLE) -> None:
         """End every open stream with an error delta (the engine is gone)."""
         now = time.monotonic()
         for rid, q in list(self._streams.items()):
-            q.put_nowait((now, fe.TokenDelta(rid, 0, [], "error", 0, error)))
+            q.put_nowait((now, fe.TokenDelta(rid, 0, [], "error", 0, error, error_kind=kind)))

@@ -70,7 +70,11 @@ class Rejected(Exception):
 
 
 class EngineError(Exception):
-    """The engine failed the request (``message`` is the scheduler's)."""
+    """The engine failed the request (``message`` is the scheduler's, ``kind`` picks the status)."""
+
+    def __init__(self, message: str, kind: fe.ErrorKind = fe.ErrorKind.INTERNAL) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -113,8 +117,7 @@ class GenerationService:
     @property
     def limits(self) -> Limits:
         info = self.info
-        # Block 0 is the blockmgr's null block; a prompt needs room for one more token.
-        kv_slots = (info.num_gpu_blocks - 1) * info.block_size
+        kv_slots = info.num_usable_gpu_blocks * info.block_size
         return Limits(info.model.vocab_size, info.model.max_model_len, self.cfg.max_prompt_chars, kv_slots,
                       self.cfg.max_n, self.cfg.max_beam_width, self.cfg.max_stop_ids)
 
@@ -291,7 +294,7 @@ class RequestStream:
                 self.finish_reason = "error"
                 if m:
                     m.request_success.labels("error").inc()
-                raise EngineError(d.error)
+                raise EngineError(d.error, d.error_kind)
             if d.prompt_logprobs and self.prompt_logprobs is None:
                 self.prompt_logprobs = list(d.prompt_logprobs)
             if d.queue_time_s is not None and m:

@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagedserve.common.messages.frontend import ErrorKind
 from pagedserve.frontend.auth import ApiKeys, AuthInterceptor, metadata_value
 from pagedserve.frontend.engine_client import DuplicateRequestId, EngineUnavailable
 from pagedserve.frontend.grpc_decode import add_servicer
@@ -41,12 +42,12 @@ MAX_PENDING_CALLS = 100_000
 MAX_DETOKENIZE_IDS = 1_000_000
 
 
-def engine_error_code(error: str) -> grpc.StatusCode:
-    if "KV" in error:
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if "unavailable" in error:
-        return grpc.StatusCode.UNAVAILABLE
-    return grpc.StatusCode.INTERNAL
+# The one place an engine failure becomes a gRPC status.
+GRPC_STATUS: dict[ErrorKind, grpc.StatusCode] = {
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorKind.KV_CACHE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
 
 
 def logprob_pb(token_id: int, entry: Logprob) -> pb.TokenLogprob:
@@ -97,7 +98,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             async for resp in self._responses(stream):
                 yield resp
         except EngineError as e:
-            await context.abort(engine_error_code(str(e)), str(e))
+            await context.abort(GRPC_STATUS[e.kind], str(e))
         finally:
             # Cancelled, timed-out or disconnected clients land here unfinished: free everything.
             stream.close()
@@ -156,7 +157,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except EngineUnavailable as e:  # at once, while unhealthy or recovering
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         info, cfg = self.svc.info, self.svc.cfg
-        usage = 1.0 - s.num_free_gpu_blocks / s.num_gpu_blocks if s.num_gpu_blocks else 0.0
+        usage = s.kv_usage
         return pb.ServerInfo(num_gpu_blocks=s.num_gpu_blocks, num_free_gpu_blocks=s.num_free_gpu_blocks,
                              num_cpu_blocks=s.num_cpu_blocks, num_free_cpu_blocks=s.num_free_cpu_blocks,
                              num_running=s.num_running, num_waiting=s.num_waiting, num_swapped=s.num_swapped,

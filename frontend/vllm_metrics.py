@@ -92,7 +92,7 @@ class VllmCollector(Collector):
                           running_lora_adapters="", waiting_lora_adapters="", max_lora="0")
         if s is None:
             return
-        usage = 1.0 - s.num_free_gpu_blocks / s.num_gpu_blocks if s.num_gpu_blocks else 0.0
+        usage = s.kv_usage
         yield self._gauge("num_requests_running", "Number of requests in model execution batches.", s.num_running)
         yield self._gauge("num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
         yield self._gauge("num_requests_swapped", "Number of requests swapped to CPU.", s.num_swapped)

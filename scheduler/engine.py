@@ -117,7 +117,7 @@ class EngineCore:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             block_size=ready.block_size,
-            num_gpu_blocks=ready.num_gpu_blocks - 1,  # block 0 is the blockmgr's null block
+            num_gpu_blocks=ready.num_usable_gpu_blocks,
             max_model_len=ready.model.max_model_len,
             eos_token_ids=ready.model.eos_token_ids,
             preemption_mode=cfg.preemption_mode,
@@ -186,7 +186,7 @@ class EngineCore:
         if (ready.num_gpu_blocks, ready.num_cpu_blocks) != (self.ready.num_gpu_blocks, self.ready.num_cpu_blocks):
             # A restarted worker may size its pool differently (free GPU memory moved).
             sch = self.scheduler
-            sch.cfg = dataclasses.replace(sch.cfg, num_gpu_blocks=ready.num_gpu_blocks - 1,
+            sch.cfg = dataclasses.replace(sch.cfg, num_gpu_blocks=ready.num_usable_gpu_blocks,
                                           num_cpu_blocks=ready.num_cpu_blocks)
         self.ready = ready
         retry(lambda: self._block_call(bm.InitRequest(ready.num_gpu_blocks, ready.num_cpu_blocks, ready.block_size,

@@ -17,6 +17,8 @@ import enum
 
 import msgspec
 
+from pagedserve.common.blocks import kv_usage
+
 
 class Allocate(msgspec.Struct, tag=1, array_like=True):
     """Admit a new sequence. Reuses the cached full-block prefix of
@@ -76,6 +78,13 @@ class StepRequest(msgspec.Struct, tag=10, array_like=True):
     continues_step: bool = False
 
 
+# Share of the usable GPU blocks kept free when admitting (running sequences may
+# still grow into it). Above vLLM's 1 %: the serving simulation shows it cuts
+# recompute thrash under overload 4-5x (docs/serving-sim.md). The one default:
+# EngineConfig, InitRequest and BlockManager all read it from here.
+DEFAULT_WATERMARK = 0.05
+
+
 class InitRequest(msgspec.Struct, tag=11, array_like=True):
     """Sent once by the scheduler after the worker has sized the KV pool."""
 
@@ -83,7 +92,7 @@ class InitRequest(msgspec.Struct, tag=11, array_like=True):
     num_cpu_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
-    watermark: float = 0.01
+    watermark: float = DEFAULT_WATERMARK
 
 
 class StatsRequest(msgspec.Struct, tag=12, array_like=True):
@@ -126,12 +135,13 @@ class BlockStats(msgspec.Struct, tag=20, array_like=True):
     prefix_cache_queries: int = 0  # blocks looked up
     prefix_cache_hits: int = 0  # blocks found
     num_shared_block_refs: int = 0  # references beyond the first: blocks saved by sharing
+    # Free GPU blocks beyond the watermark (negative below it): what admissions
+    # may take. Only the blockmgr knows the watermark; the scheduler reads this.
+    num_admissible_gpu_blocks: int = 0
 
     @property
     def gpu_usage(self) -> float:
-        if self.num_gpu_blocks == 0:
-            return 0.0
-        return 1.0 - self.num_free_gpu_blocks / self.num_gpu_blocks
+        return kv_usage(self.num_free_gpu_blocks, self.num_gpu_blocks)
 
 
 class StepReply(msgspec.Struct, tag=21, array_like=True):

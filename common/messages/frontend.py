@@ -5,9 +5,21 @@ step with the new tokens of every request that produced any.
 """
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
+from pagedserve.common.blocks import kv_usage, usable_gpu_blocks
 from pagedserve.common.messages.types import ModelInfo, SamplingParams
+
+
+class ErrorKind(enum.IntEnum):
+    """Why the engine failed a request; the frontend maps it to a status code
+    (frontend/server.py, GRPC_STATUS) instead of reading the message."""
+
+    INTERNAL = 0
+    KV_CACHE = 1  # the request can never fit in the KV pool
+    UNAVAILABLE = 2  # the engine is gone, restarting or shutting down
 
 
 class AddRequest(msgspec.Struct, tag=50, array_like=True):
@@ -58,6 +70,7 @@ class TokenDelta(msgspec.Struct, array_like=True):
     cumulative_logprob: float | None = None
     # On a request's first delta: seconds from arrival to its first scheduled step.
     queue_time_s: float | None = None
+    error_kind: ErrorKind = ErrorKind.INTERNAL  # read only when ``error`` is set
 
 
 class Outputs(msgspec.Struct, tag=60, array_like=True):
@@ -72,6 +85,10 @@ class EngineInfo(msgspec.Struct, tag=61, array_like=True):
     num_cpu_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+
+    @property
+    def num_usable_gpu_blocks(self) -> int:
+        return usable_gpu_blocks(self.num_gpu_blocks)
 
 
 class EngineStats(msgspec.Struct, tag=62, array_like=True):
@@ -90,6 +107,10 @@ class EngineStats(msgspec.Struct, tag=62, array_like=True):
     # True while the scheduler re-initialises a restarted blockmgr/gpuworker
     # (health NOT_SERVING; open streams resume afterwards); block counts are 0.
     recovering: bool = False
+
+    @property
+    def kv_usage(self) -> float:
+        return kv_usage(self.num_free_gpu_blocks, self.num_gpu_blocks)
 
 
 Reply = Outputs | EngineInfo | EngineStats

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pagedserve.common.blocks import usable_gpu_blocks
 from pagedserve.common.messages.types import ModelInfo, SamplingParams
 
 
@@ -95,9 +96,13 @@ class StepResult(msgspec.Struct, tag=40, array_like=True):
 
 class WorkerReady(msgspec.Struct, tag=41, array_like=True):
     model: ModelInfo
-    num_gpu_blocks: int
+    num_gpu_blocks: int  # the pool, null block included
     num_cpu_blocks: int
     block_size: int
+
+    @property
+    def num_usable_gpu_blocks(self) -> int:
+        return usable_gpu_blocks(self.num_gpu_blocks)
 
 
 class WorkerError(msgspec.Struct, tag=42, array_like=True):
