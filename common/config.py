@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.common import curve
+from pagedserve.common.env import env, env_flag, env_int
 from pagedserve.common.messages.blockmgr import DEFAULT_WATERMARK
 from pagedserve.common.rundir import default_run_dir
 
@@ -42,12 +42,12 @@ class Addresses:
 
 def default_addresses(run_dir: str | None = None) -> Addresses:
     # Not a shared $TMPDIR/pagedserve: a per-user folder, checked private (rundir) before use.
-    run_dir = run_dir or os.environ.get("PAGEDSERVE_RUN_DIR") or default_run_dir()
+    run_dir = run_dir or env("RUN_DIR") or default_run_dir()
     return Addresses(
-        scheduler_in=os.environ.get("PAGEDSERVE_SCHEDULER_IN", f"ipc://{run_dir}/scheduler_in.sock"),
-        scheduler_out=os.environ.get("PAGEDSERVE_SCHEDULER_OUT", f"ipc://{run_dir}/scheduler_out.sock"),
-        blockmgr=os.environ.get("PAGEDSERVE_BLOCKMGR", f"ipc://{run_dir}/blockmgr.sock"),
-        worker=os.environ.get("PAGEDSERVE_WORKER", f"ipc://{run_dir}/worker.sock"),
+        scheduler_in=env("SCHEDULER_IN", f"ipc://{run_dir}/scheduler_in.sock"),
+        scheduler_out=env("SCHEDULER_OUT", f"ipc://{run_dir}/scheduler_out.sock"),
+        blockmgr=env("BLOCKMGR", f"ipc://{run_dir}/blockmgr.sock"),
+        worker=env("WORKER", f"ipc://{run_dir}/worker.sock"),
     )
 
 
@@ -106,17 +106,10 @@ class EngineConfig:
         return "float32" if self.device == "cpu" else "bfloat16"
 
 
-def env(name: str, default: Any = None) -> Any:
-    """``PAGEDSERVE_<NAME>`` when set and non-empty, else ``default``. Every
-    flag's environment variable is read here; argparse converts a string
-    default with the flag's ``type``."""
-    v = os.environ.get("PAGEDSERVE_" + name)
-    return default if v in (None, "") else v
-
-
-def env_flag(name: str, default: bool | None) -> bool | None:
-    v = env(name)
-    return default if v is None else str(v).strip().lower() in ("1", "true", "yes", "on")
+def worker_threads() -> int | None:
+    """PAGEDSERVE_WORKER_THREADS: threads of the CPU worker (None: one per core).
+    Also read, before torch loads, by gpuworker/cpu_affinity.py to pin them."""
+    return env_int("WORKER_THREADS", None)
 
 
 def helptext(text: str, env_name: str | None) -> str:
@@ -176,7 +169,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true", text="never capture CUDA graphs")
     arg("--tensor-parallel-size", "-tp", env_name="TENSOR_PARALLEL_SIZE", default=d.tensor_parallel_size,
         type=int, text="GPUs one model is sharded over")
-    arg("--worker", env_name="WORKER", default=d.worker, choices=["model", "sim"],
+    # Not PAGEDSERVE_WORKER: that is the worker's address (default_addresses, compose).
+    arg("--worker", env_name="WORKER_KIND", default=d.worker, choices=["model", "sim"],
         text="sim: a SIMULATED worker (no model; step times from a cost model)")
     arg("--shutdown-timeout", env_name="SHUTDOWN_TIMEOUT", default=d.shutdown_timeout, type=float,
         text="seconds SIGTERM waits for in-flight requests to finish before stopping")

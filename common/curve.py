@@ -22,6 +22,8 @@ from typing import Any
 import zmq
 import zmq.auth
 
+from pagedserve.common.env import PREFIX, env, env_flag
+
 ENV = "PAGEDSERVE_CURVE_KEYS"
 INSECURE_ENV = "PAGEDSERVE_INSECURE_INTERNAL_TCP"
 
@@ -45,7 +47,7 @@ class AllowInsecureAction(argparse.Action):
 
 
 def insecure_allowed() -> bool:
-    return os.environ.get(INSECURE_ENV, "").lower() in ("1", "true", "yes")
+    return bool(env_flag(INSECURE_ENV.removeprefix(PREFIX), False))
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def load(directory: str) -> CurveKeys:
 
 
 def from_env() -> CurveKeys | None:
-    directory = os.environ.get(ENV)
+    directory = env(ENV.removeprefix(PREFIX))
     return load(directory) if directory else None
 
 

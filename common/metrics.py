@@ -12,7 +12,6 @@ collector (CPU seconds, resident memory, open fds).
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
+
+from pagedserve.common.env import env, env_int
 
 PREFIX = "pagedserve:"
 
@@ -33,10 +34,9 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 
 
 def add_metrics_arg(p: argparse.ArgumentParser, component: str) -> None:
-    env = os.environ.get(f"PAGEDSERVE_{component.upper()}_METRICS_PORT")
-    p.add_argument("--metrics-port", type=int, default=int(env) if env else None,
+    p.add_argument("--metrics-port", type=int, default=env_int(f"{component.upper()}_METRICS_PORT", None),
                    help=f"serve Prometheus /metrics of the {component} on this port (default: off)")
-    p.add_argument("--metrics-host", default=os.environ.get("PAGEDSERVE_METRICS_HOST", "127.0.0.1"))
+    p.add_argument("--metrics-host", default=env("METRICS_HOST", "127.0.0.1"))
 
 
 def new_registry() -> CollectorRegistry:

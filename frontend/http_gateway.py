@@ -31,12 +31,11 @@ from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.http_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from pagedserve.frontend.generation import EngineError, GenerationService, Rejected, RequestStream
 from pagedserve.frontend.outputs import Chunk
-from pagedserve.frontend.validation import MAX_REQUEST_BYTES, ValidationError
+from pagedserve.frontend.validation import DEFAULT_COMPLETION_MAX_TOKENS, MAX_REQUEST_BYTES, ValidationError
 from pagedserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("pagedserve.frontend")
 
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # OpenAI body field -> SamplingParams field, for plain scalars.
 _SCALARS = {
     "temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "seed",

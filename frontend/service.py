@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
-import signal
 import sys
 from typing import Any
 
 from grpc_health.v1 import health
 
+from pagedserve.common.env import env, env_int
 from pagedserve.common.config import add_address_args, add_engine_args, addresses_from_args, config_from_args
 from pagedserve.common.default_model import DEFAULT_MODEL_ID, resolve_model
 from pagedserve.common.metrics import FrontendMetrics, add_metrics_arg, serve_metrics
@@ -24,19 +23,11 @@ from pagedserve.frontend.auth import load_keys
 from pagedserve.frontend.engine_client import EngineClient
 from pagedserve.frontend.generation import FrontendConfig, GenerationService
 from pagedserve.frontend.server import SERVICE_NAME, health_status, serve, server_credentials
-from pagedserve.frontend.shutdown import drain
+from pagedserve.frontend.shutdown import StopSignals, drain
 from pagedserve.frontend.vllm_metrics import add_vllm_metrics
+from pagedserve.serve_args import shutdown_timeout_default
 
 log = logging.getLogger("pagedserve.frontend")
-
-
-def _env(name: str, default: Any = None) -> Any:
-    return os.environ.get("PAGEDSERVE_" + name, default)
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    v = _env(name)
-    return int(v) if v not in (None, "") else default
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -74,10 +65,8 @@ async def run(args: argparse.Namespace) -> int:
         gw.before_metrics = vllm_metrics.refresh
         gateway_runner = await http_gateway.start(gw, args.host, args.http_port, ssl_ctx)
     metrics_server = serve_metrics(args.metrics_port, metrics.registry, args.metrics_host)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    signals = StopSignals()
+    stop = signals.first
     try:
         start = asyncio.create_task(engine.start(args.engine_timeout))
         done, _ = await asyncio.wait({start, asyncio.create_task(stop.wait())},
@@ -95,7 +84,7 @@ async def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         await set_health(False)
-        await drain(server, gateway_runner, engine, cfg.shutdown_timeout)
+        await drain(server, gateway_runner, engine, cfg.shutdown_timeout, signals.again)
         if metrics_server is not None:
             metrics_server[0].shutdown()
         await engine.close()
@@ -104,28 +93,29 @@ async def run(args: argparse.Namespace) -> int:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pagedserve frontend")
     add_engine_args(p)
+    p.set_defaults(shutdown_timeout=shutdown_timeout_default())  # the frontend drains; other components do not
     add_address_args(p)
     add_metrics_arg(p, "frontend")
-    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    p.add_argument("--port", "--grpc-port", dest="port", type=int, default=_env_int("PORT", 50051),
+    p.add_argument("--host", default=env("HOST", "127.0.0.1"))
+    p.add_argument("--port", "--grpc-port", dest="port", type=int, default=env_int("PORT", 50051),
                    help="gRPC port")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names the OpenAI API accepts in 'model'; the first is reported (default: the model)")
-    p.add_argument("--http-port", type=int, default=_env_int("HTTP_PORT", None),
+    p.add_argument("--http-port", type=int, default=env_int("HTTP_PORT", None),
                    help="also serve the OpenAI-compatible HTTP API on this port")
-    p.add_argument("--tls-cert", default=_env("TLS_CERT"), help="PEM certificate chain: serve gRPC and HTTP over TLS")
-    p.add_argument("--tls-key", default=_env("TLS_KEY"), help="PEM private key of --tls-cert")
-    p.add_argument("--api-key", default=_env("API_KEY"), help="require 'authorization: Bearer KEY'")
-    p.add_argument("--api-key-file", default=_env("API_KEY_FILE"), help="accepted keys, one per line")
-    p.add_argument("--max-queued-requests", type=int, default=_env_int("MAX_QUEUED_REQUESTS", 1024),
+    p.add_argument("--tls-cert", default=env("TLS_CERT"), help="PEM certificate chain: serve gRPC and HTTP over TLS")
+    p.add_argument("--tls-key", default=env("TLS_KEY"), help="PEM private key of --tls-cert")
+    p.add_argument("--api-key", default=env("API_KEY"), help="require 'authorization: Bearer KEY'")
+    p.add_argument("--api-key-file", default=env("API_KEY_FILE"), help="accepted keys, one per line")
+    p.add_argument("--max-queued-requests", type=int, default=env_int("MAX_QUEUED_REQUESTS", 1024),
                    help="admitted requests without a first token yet; beyond it RESOURCE_EXHAUSTED")
-    p.add_argument("--max-concurrent-per-key", type=int, default=_env_int("MAX_CONCURRENT_PER_KEY", 64),
+    p.add_argument("--max-concurrent-per-key", type=int, default=env_int("MAX_CONCURRENT_PER_KEY", 64),
                    help="open streams per API key (auth on)")
-    p.add_argument("--max-n", type=int, default=_env_int("MAX_N", 16))
-    p.add_argument("--max-beam-width", type=int, default=_env_int("MAX_BEAM_WIDTH", 8))
-    p.add_argument("--health-interval", type=float, default=float(_env("HEALTH_INTERVAL", 2.0)),
+    p.add_argument("--max-n", type=int, default=env_int("MAX_N", 16))
+    p.add_argument("--max-beam-width", type=int, default=env_int("MAX_BEAM_WIDTH", 8))
+    p.add_argument("--health-interval", type=float, default=float(env("HEALTH_INTERVAL", 2.0)),
                    help="seconds between scheduler liveness checks")
-    p.add_argument("--health-timeout", type=float, default=float(_env("HEALTH_TIMEOUT", 30.0)),
+    p.add_argument("--health-timeout", type=float, default=float(env("HEALTH_TIMEOUT", 30.0)),
                    help="no scheduler answer within this: NOT_SERVING (a lost scheduler: open streams end unless one is back)")
     p.add_argument("--engine-timeout", type=float, default=1800.0, help="seconds to wait for the engine to start")
     args = p.parse_args(argv)

@@ -10,7 +10,11 @@ from dataclasses import dataclass
 from pagedserve.common.messages.types import SamplingParams
 from pagedserve.v1 import generation_pb2 as pb
 
+# The request defaults, in one place: vLLM's 256 for gRPC and chat, OpenAI's
+# 16 for /v1/completions. (SamplingParams.max_tokens's own default only
+# serves in-process callers: the frontend always sets the field.)
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # one GenerateRequest, serialized
 MAX_REQUEST_ID_LEN = 128
 MAX_CACHE_SALT_LEN = 256

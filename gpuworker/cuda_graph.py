@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import torch
 
+from pagedserve.common.blocks import cdiv
+
 from pagedserve.gpuworker.layers import AttentionMetadata
 
 # Padded batch sizes: fine steps where batches are small, coarser above.
@@ -47,7 +49,7 @@ class DecodeGraphs:
         eagerly (no capture): the padding logic, testable on CPU."""
         self.forward, self.device, self.max_model_len, self.use_graphs = forward, device, max_model_len, use_graphs
         self.sizes = capture_sizes(max_batch)
-        n, width = self.sizes[-1], -(-max_model_len // block_size)
+        n, width = self.sizes[-1], cdiv(max_model_len, block_size)
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)

@@ -1,4 +1,4 @@
-"""Per-sequence state the worker keeps, and turning one step's schedule into
+"""Turning one step's schedule (over the worker's ``SeqState``s) into
 the flat batch the forward reads (token ids, positions, attention metadata,
 which rows sample, which rows give prompt logprobs)."""
 from __future__ import annotations
@@ -7,18 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.common.messages.types import SamplingParams
 from pagedserve.gpuworker.layers import AttentionMetadata
-
-
-@dataclass
-class SeqState:
-    seq_id: int
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    params: SamplingParams
-    num_prompt_tokens: int
+from pagedserve.gpuworker.seq_state import SeqState
 
 
 @dataclass
@@ -42,6 +32,15 @@ class Batch:
     sample_token_idx: torch.Tensor  # flat-token index of their last token
     prompt_logprobs: list[PromptLogprobPlan]
     decode_only: bool  # one token per sequence: a CUDA-graph candidate
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host to device. On CUDA through pinned memory (torch caches the pinned
+    blocks), so ``non_blocking`` really overlaps: from pageable memory the
+    copy is staged and waits for the host."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def prepare_batch(
@@ -80,15 +79,9 @@ def prepare_batch(
                     seq.token_ids[start + 1 : last + 1], k,
                 ))
     meta, positions = attention_metadata(seq_lens, starts, tables, bs, device)
-    ids = torch.tensor(input_ids, dtype=torch.long).to(device, non_blocking=True)
-    idx = torch.tensor(sample_idx, dtype=torch.long).to(device, non_blocking=True)
+    ids = to_device(torch.tensor(input_ids, dtype=torch.long), device)
+    idx = to_device(torch.tensor(sample_idx, dtype=torch.long), device)
     return Batch(ids, positions, meta, sample_rows, idx, plans, decode_only=len(input_ids) == len(scheduled))
-
-
-def check_blocks(seq_id: int, block_ids: list[int], num_blocks: int) -> None:
-    """Once per block id, when it arrives: the forward indexes the pool with it."""
-    if block_ids and not (0 <= min(block_ids) and max(block_ids) < num_blocks):
-        raise ValueError(f"seq {seq_id}: block id outside the pool of {num_blocks}")
 
 
 def attention_metadata(
@@ -106,11 +99,11 @@ def attention_metadata(
     positions = torch.arange(int(qsl[-1])) - qsl[row] + torch.tensor(starts, dtype=torch.int64)[row]
     slots = table[row, positions // block_size].long() * block_size + positions % block_size
     meta = AttentionMetadata(
-        slot_mapping=slots.to(device, non_blocking=True),
-        block_tables=table.to(device, non_blocking=True),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-        query_start_loc=qsl.to(torch.int32).to(device, non_blocking=True),
+        slot_mapping=to_device(slots, device),
+        block_tables=to_device(table, device),
+        seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), device),
+        query_start_loc=to_device(qsl.to(torch.int32), device),
         max_seq_len=max(seq_lens),
         max_query_len=max(q_lens),
     )
-    return meta, positions.to(device, non_blocking=True)
+    return meta, to_device(positions, device)

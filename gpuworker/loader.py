@@ -20,6 +20,19 @@ def load_hf_config(folder: str) -> Any:
     return AutoConfig.from_pretrained(folder)
 
 
+# A config that names no position limit (none of the supported families;
+# vLLM's fallback too): the context it is served with.
+DEFAULT_MAX_POSITIONS = 2048
+
+
+def context_limits(hf_config: Any) -> tuple[int, int | None]:
+    """(position limit, sliding window or None) from the config itself: a
+    window counts unless the config says it is off (Qwen2's use_sliding_window)."""
+    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or DEFAULT_MAX_POSITIONS
+    window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
+    return model_max, window
+
+
 def eos_token_ids(folder: str, hf_config: Any) -> tuple[int, ...]:
     """EOS ids from generation_config.json (which may list several, e.g. Llama 3
     instruct) and config.json, in that order, without duplicates."""

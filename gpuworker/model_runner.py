@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from pagedserve.common.config import EngineConfig
-from pagedserve.common.default_model import resolve_model
+from pagedserve.common.blocks import cdiv
+from pagedserve.common.config import EngineConfig, env_flag
+from pagedserve.common.default_model import DEFAULT_MODEL_NAME, resolve_model
 from pagedserve.common.messages.types import ModelInfo, SamplingParams
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.worker import (
@@ -40,11 +41,12 @@ from pagedserve.gpuworker.cache_engine import CacheEngine, bytes_per_block
 from pagedserve.gpuworker.cpu_gemm import pack_model
 from pagedserve.gpuworker.cuda_graph import DecodeGraphs
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, rank_device
-from pagedserve.gpuworker.inputs import PromptLogprobPlan, SeqState, attention_metadata, check_blocks, prepare_batch
+from pagedserve.gpuworker.inputs import PromptLogprobPlan, attention_metadata, prepare_batch
 from pagedserve.gpuworker.layers import PagedAttention
-from pagedserve.gpuworker.loader import eos_token_ids, iter_weights, load_hf_config
+from pagedserve.gpuworker.loader import context_limits, eos_token_ids, iter_weights, load_hf_config
 from pagedserve.gpuworker.models import build_model
 from pagedserve.gpuworker.sampler import Sampler
+from pagedserve.gpuworker.seq_state import SeqState, SeqStates
 from pagedserve.gpuworker.step_gaps import StepGaps
 from pagedserve.gpuworker.structured import StructuredDecoding
 from pagedserve.kernels import get_attention_backend
@@ -60,7 +62,7 @@ def cpu_default_kv_bytes() -> int:
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CUDA_GRAPHS_ENV = "PAGEDSERVE_CUDA_GRAPHS"  # "0" disables decode CUDA graphs
+CUDA_GRAPHS_ENV = "CUDA_GRAPHS"  # PAGEDSERVE_CUDA_GRAPHS=0 disables decode CUDA graphs
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class ModelSource:
 def cuda_graphs_wanted(flag: bool | None) -> bool:
     if flag is not None:
         return flag
-    return os.environ.get(CUDA_GRAPHS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return bool(env_flag(CUDA_GRAPHS_ENV, True))
 
 
 class ModelRunner:
@@ -87,16 +89,20 @@ class ModelRunner:
         tp: TPGroup = SINGLE,
         source: ModelSource | None = None,
         cuda_graphs: bool | None = None,
+        keep_logits: bool = False,
     ) -> None:
         """``cuda_graphs``: None follows $PAGEDSERVE_CUDA_GRAPHS (default on);
-        graphs are used only on CUDA, with the Triton backend, on one rank."""
+        graphs are used only on CUDA, with the Triton backend, on one rank.
+        ``keep_logits``: keep the last step's logits in ``last_logits`` (tests
+        compare them; serving must not hold them past the step)."""
         self.cfg, self.tp, self.source = cfg, tp, source
         self.device = rank_device(cfg.device, tp.rank)
         self.dtype = _DTYPES[cfg.torch_dtype_name]
         self.want_graphs = cuda_graphs_wanted(cuda_graphs) and not cfg.enforce_eager
         self.graphs: DecodeGraphs | None = None
-        self.seqs: dict[int, SeqState] = {}
-        self.last_logits: dict[int, torch.Tensor] = {}  # seq_id -> float32 [vocab], for tests
+        self.states = SeqStates()  # every sequence's tokens, block table and progress
+        self.keep_logits = keep_logits
+        self.last_logits: dict[int, torch.Tensor] = {}  # seq_id -> float32 [vocab], with keep_logits
         self.ready: WorkerReady | None = None
         self.profile: dict[str, int] = {}  # CUDA memory profile (bytes), when the pool was sized from it
         self.tokens_computed = 0  # cumulative, read by the --metrics-port hook
@@ -115,11 +121,10 @@ class ModelRunner:
             folder = resolve_model(cfg.model)
             hf = load_hf_config(folder)
             weights = iter_weights(folder, progress=tp.is_driver)
-            name = "SmolLM2-135M-Instruct" if cfg.model is None else os.path.basename(os.path.normpath(folder))
+            name = DEFAULT_MODEL_NAME if cfg.model is None else os.path.basename(os.path.normpath(folder))
             eos = eos_token_ids(folder, hf)
         self.hf_config = hf
-        model_max = int(getattr(hf, "max_position_embeddings", 0) or 0) or 2048
-        window = getattr(hf, "sliding_window", None) if getattr(hf, "model_type", "") == "mistral" else None
+        model_max, window = context_limits(hf)
         limit = min(model_max, window) if window else model_max
         if cfg.max_model_len is not None and cfg.max_model_len > limit:
             why = f"sliding window {window}" if window and window < model_max else f"max_position_embeddings {model_max}"
@@ -183,7 +188,7 @@ class ModelRunner:
         else:
             # Never more than max_num_seqs sequences of max_model_len can hold: a
             # tiny model would otherwise get millions of blocks to manage.
-            full = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
+            full = cfg.max_num_seqs * cdiv(self.max_model_len, cfg.block_size) + 1
             n = min(cpu_default_kv_bytes() // per_block, full)
         if n < 2:
             raise ValueError(f"KV cache memory too small: {n} blocks of {per_block} bytes")
@@ -201,8 +206,8 @@ class ModelRunner:
         non_torch = (total - free0) - torch.cuda.memory_reserved(dev)
         n_tok = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
         seq_len = min(n_tok, self.max_model_len)
-        n_seqs = (n_tok + seq_len - 1) // seq_len
-        blocks_per_seq = (seq_len + cfg.block_size - 1) // cfg.block_size
+        n_seqs = cdiv(n_tok, seq_len)
+        blocks_per_seq = cdiv(seq_len, cfg.block_size)
         scratch = CacheEngine(
             self.num_layers, n_seqs * blocks_per_seq, 0, cfg.block_size, self.num_kv_heads, self.head_dim, self.dtype, dev, self.backend
         )
@@ -230,7 +235,7 @@ class ModelRunner:
         self._reset()
 
     def _reset(self) -> None:
-        self.seqs.clear()
+        self.states.clear()
         self.last_logits.clear()
         self.structured.clear()
 
@@ -269,25 +274,13 @@ class ModelRunner:
     def _execute(self, step: ExecuteStep) -> StepResult:
         t0 = time.perf_counter()
         for seq_id in step.finished:
-            self.seqs.pop(seq_id, None)
             self.structured.drop(seq_id)
         for new in step.new_seqs:
-            self._add(new)
-        for diff in step.block_diffs:
-            seq = self._seq(diff.seq_id)
-            if diff.table_start > len(seq.block_ids):
-                raise ValueError(f"seq {diff.seq_id}: block diff starts at {diff.table_start} past its table of {len(seq.block_ids)}")
-            check_blocks(diff.seq_id, diff.block_ids, self.cache.num_gpu_blocks)
-            del seq.block_ids[diff.table_start:]
-            seq.block_ids.extend(diff.block_ids)
-        # Swap out first: the blocks it frees may be the destinations of swap-ins.
-        self.cache.swap_out(step.swap_out)
-        self.cache.swap_in(step.swap_in)
-        self.cache.copy(step.copies)
+            self._check_new(new)
+        scheduled = self.states.apply(step, self.cache)
         self.last_logits.clear()
-        if not step.scheduled:
+        if not scheduled:
             return StepResult(step.step_id, [], time.perf_counter() - t0)
-        scheduled = [(self._seq(s.seq_id), s.num_tokens) for s in step.scheduled]
         batch = prepare_batch(scheduled, self.cfg.block_size, self.max_model_len, self.device)
         if self.graphs is not None and batch.decode_only and len(scheduled) <= self.graphs.max_batch:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
@@ -324,13 +317,10 @@ class ModelRunner:
         if error is not None:
             raise error
         sampled = [SampledToken(seq.seq_id, token_ids[i], logprobs[i], tops[i]) for i, seq in enumerate(seqs)]
-        if logits is not None:
+        if logits is not None and self.keep_logits:
             self.last_logits = {seq.seq_id: logits[i] for i, seq in enumerate(seqs)}
-        for seq, n in scheduled:
-            seq.num_computed_tokens += n
+        self.states.finish_step(scheduled, sampled)
         self.tokens_computed += len(batch.input_ids)
-        for tok in sampled:
-            self.seqs[tok.seq_id].token_ids.append(tok.token_id)
         self.structured.advance([(t.seq_id, t.token_id) for t in sampled])
         return StepResult(step.step_id, sampled, time.perf_counter() - t0, prompt_lps)
 
@@ -355,24 +345,10 @@ class ModelRunner:
                 entries.append((c, list(zip(ids, vals))))
         return entries if self.tp.is_driver else None
 
-    def _add(self, new: NewSeq) -> None:
-        if not new.token_ids:
-            raise ValueError(f"seq {new.seq_id}: empty token_ids")
-        if not 0 <= new.num_computed_tokens < len(new.token_ids):
-            raise ValueError(f"seq {new.seq_id}: num_computed_tokens {new.num_computed_tokens} outside [0, {len(new.token_ids)})")
+    def _check_new(self, new: NewSeq) -> None:
+        """What only a model worker checks of a new sequence (``SeqStates`` checks the rest)."""
         bad = [t for t in new.token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"seq {new.seq_id}: token ids outside the vocabulary of {self.vocab_size}: {bad[:5]}")
-        check_blocks(new.seq_id, new.block_ids, self.cache.num_gpu_blocks)
-        # A re-sent seq (recompute preemption) replaces the old state.
-        self.seqs[new.seq_id] = SeqState(
-            new.seq_id, list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.params, new.num_prompt_tokens
-        )
         if self.tp.is_driver:  # rank 0 samples: its matcher replays what was generated already
             self.structured.add(new.seq_id, new.params, new.token_ids[new.num_prompt_tokens:])
-
-    def _seq(self, seq_id: int) -> SeqState:
-        try:
-            return self.seqs[seq_id]
-        except KeyError:
-            raise ValueError(f"unknown seq {seq_id} (never sent as NewSeq, or already finished)") from None

@@ -14,7 +14,6 @@ serving if one of them dies.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import signal
 import subprocess
 import sys
@@ -22,8 +21,8 @@ import traceback
 
 import zmq
 
-from pagedserve.common.lifecycle import StopFlag
-from pagedserve.common.config import EngineConfig, add_address_args, add_engine_args, config_from_args
+from pagedserve.common.lifecycle import StopFlag, die_with_parent
+from pagedserve.common.config import EngineConfig, add_address_args, add_engine_args, config_from_args, worker_threads
 from pagedserve.common.ipc import BadFrame, RepServer
 from pagedserve.common.metrics import add_metrics_arg, serve_worker_metrics
 from pagedserve.common.messages import worker as wk
@@ -55,18 +54,11 @@ def _limit_cpu_threads(device: str, ranks: int = 1) -> None:
 
     import torch
 
-    env = os.environ.get("PAGEDSERVE_WORKER_THREADS")
-    if env:
-        torch.set_num_threads(int(env))
+    threads = worker_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     elif device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _start_ranks(cfg: EngineConfig, argv: list[str]) -> tuple[ModelRunner, list[subprocess.Popen[bytes]]]:
@@ -75,7 +67,7 @@ def _start_ranks(cfg: EngineConfig, argv: list[str]) -> tuple[ModelRunner, list[
     store = create_store(n)
     procs = [
         subprocess.Popen([sys.executable, "-m", "pagedserve", "gpuworker", *argv, "--tp-rank", str(r),
-                          "--tp-port", str(store.port)], preexec_fn=_die_with_parent)
+                          "--tp-port", str(store.port)], preexec_fn=die_with_parent)
         for r in range(1, n)
     ]
     try:

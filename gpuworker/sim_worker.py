@@ -17,13 +17,13 @@ labelled simulated.
 """
 from __future__ import annotations
 
-import os
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pagedserve.common.config import EngineConfig
+from pagedserve.common.config import EngineConfig, env
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.types import ModelInfo
+from pagedserve.gpuworker.seq_state import SeqStates
 
 _EMPTY = -1  # never-written slot; internal to the simulation
 
@@ -110,14 +110,29 @@ class CostModel:
 COST_MODELS = {"opt13b-a100": CostModel.opt13b_a100}
 
 
-@dataclass
-class _SeqState:
-    token_ids: list[int]
-    block_table: list[int]
-    num_computed: int
-    num_prompt: int
-    seed: int | None = None
-    outputs: list[int] = field(default_factory=list)
+class _SlotPool:
+    """The simulated pool: every slot (block * block_size + offset) holds the
+    token id written there. Flat arrays: cheap to build and invisible to the
+    garbage collector, even at 100K+ blocks."""
+
+    def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+        self.num_gpu_blocks, self.block_size = num_gpu_blocks, block_size
+        self.gpu = array("q", [_EMPTY]) * (num_gpu_blocks * block_size)
+        self.cpu = array("q", [_EMPTY]) * (num_cpu_blocks * block_size)
+
+    @staticmethod
+    def _copy(pairs: list[tuple[int, int]], src: array, dst: array, bs: int) -> None:
+        for a, b in pairs:
+            dst[b * bs:(b + 1) * bs] = src[a * bs:(a + 1) * bs]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self._copy(pairs, self.gpu, self.cpu, self.block_size)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self._copy(pairs, self.cpu, self.gpu, self.block_size)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        self._copy(pairs, self.gpu, self.gpu, self.block_size)
 
 
 def next_token(context: list[int], vocab_size: int, seed: int | None = None) -> int:
@@ -141,11 +156,8 @@ class SimWorker:
         self.validate = validate
         self.cost_model = cost_model
         self.simulated_time_s = 0.0  # sum of modelled step times
-        # Flat slot arrays (slot = block * block_size + offset): cheap to build
-        # and invisible to the garbage collector, even at 100K+ blocks.
-        self.gpu = array("q", [_EMPTY]) * (num_gpu_blocks * block_size)
-        self.cpu = array("q", [_EMPTY]) * (num_cpu_blocks * block_size)
-        self.seqs: dict[int, _SeqState] = {}
+        self.pool = _SlotPool(num_gpu_blocks, num_cpu_blocks, block_size)
+        self.states = SeqStates()
         self.tokens_computed = 0
 
     @classmethod
@@ -156,7 +168,7 @@ class SimWorker:
         --num-gpu-blocks the pool is the paper's 15.7K token slots (12 GiB at
         800 KiB per token) plus the null block. --swap-space sizes the CPU
         pool at 800 KiB per token, as for the model it simulates."""
-        name = os.environ.get("PAGEDSERVE_SIM_COST_MODEL", "opt13b-a100")
+        name = env("SIM_COST_MODEL", "opt13b-a100")
         if name != "none" and name not in COST_MODELS:
             raise ValueError(f"PAGEDSERVE_SIM_COST_MODEL={name!r}: choose none or one of {sorted(COST_MODELS)}")
         cost = None if name == "none" else COST_MODELS[name]()
@@ -174,63 +186,42 @@ class SimWorker:
         return wk.WorkerReady(info, self.num_gpu_blocks, self.num_cpu_blocks, self.block_size)
 
     def reset(self) -> None:
-        self.seqs.clear()
+        self.states.clear()
 
     def execute(self, step: wk.ExecuteStep) -> wk.StepResult:
-        for sid in step.finished:
-            self.seqs.pop(sid, None)
-        # The order the blockmgr documents: a block released by an earlier op
-        # of the step may be the destination of a later one.
-        bs = self.block_size
-        for gpu, cpu in step.swap_out:
-            self.cpu[cpu * bs:(cpu + 1) * bs] = self.gpu[gpu * bs:(gpu + 1) * bs]
-        for cpu, gpu in step.swap_in:
-            self.gpu[gpu * bs:(gpu + 1) * bs] = self.cpu[cpu * bs:(cpu + 1) * bs]
-        for src, dst in step.copies:
-            self.gpu[dst * bs:(dst + 1) * bs] = self.gpu[src * bs:(src + 1) * bs]
         for ns in step.new_seqs:
-            if ns.seq_id in self.seqs:
-                raise SimulationError(f"seq {ns.seq_id} sent twice as new")
             if ns.params.structured is not None:  # its random tokens cannot follow a grammar: say so
                 raise SimulationError(f"seq {ns.seq_id}: structured outputs need the model worker, not --worker sim")
-            self.seqs[ns.seq_id] = _SeqState(list(ns.token_ids), list(ns.block_ids), ns.num_computed_tokens,
-                                             ns.num_prompt_tokens, ns.params.seed)
-        for d in step.block_diffs:
-            st = self.seqs[d.seq_id]
-            del st.block_table[d.table_start:]
-            st.block_table += d.block_ids
+        scheduled = self.states.apply(step, self.pool)
+        bs = self.block_size
+        pool = self.pool.gpu
         cost_seqs: list[tuple[int, int]] = []
-        pool = self.gpu
         # Write every scheduled token's slot first (as a forward pass does per layer) ...
-        for sch in step.scheduled:
-            st = self.seqs[sch.seq_id]
-            end = st.num_computed + sch.num_tokens
+        for st, n in scheduled:
+            end = st.num_computed_tokens + n
             if end > len(st.token_ids):
-                raise SimulationError(f"seq {sch.seq_id}: scheduled past its known tokens")
-            if end > len(st.block_table) * bs:
-                raise SimulationError(f"seq {sch.seq_id}: {end} tokens but {len(st.block_table)} blocks")
-            table, toks = st.block_table, st.token_ids
-            for pos in range(st.num_computed, end):
+                raise SimulationError(f"seq {st.seq_id}: scheduled past its known tokens")
+            if end > len(st.block_ids) * bs:
+                raise SimulationError(f"seq {st.seq_id}: {end} tokens but {len(st.block_ids)} blocks")
+            table, toks = st.block_ids, st.token_ids
+            for pos in range(st.num_computed_tokens, end):
                 pool[table[pos // bs] * bs + pos % bs] = toks[pos]
-            cost_seqs.append((st.num_computed, sch.num_tokens))
+            cost_seqs.append((st.num_computed_tokens, n))
         # ... then read each context back through the block table.
         sampled: list[wk.SampledToken] = []
-        for sch in step.scheduled:
-            st = self.seqs[sch.seq_id]
-            end = st.num_computed + sch.num_tokens
+        for st, n in scheduled:
+            end = st.num_computed_tokens + n
             if self.validate:
-                table = st.block_table
+                table = st.block_ids
                 seen = [pool[table[p // bs] * bs + p % bs] for p in range(end)]
                 if seen != st.token_ids[:end]:
                     bad = next(p for p in range(end) if seen[p] != st.token_ids[p])
-                    raise SimulationError(f"seq {sch.seq_id}: position {bad} reads token {seen[bad]}, "
-                                          f"expected {st.token_ids[bad]} (block {st.block_table[bad // bs]})")
-            st.num_computed = end
-            self.tokens_computed += sch.num_tokens
+                    raise SimulationError(f"seq {st.seq_id}: position {bad} reads token {seen[bad]}, "
+                                          f"expected {st.token_ids[bad]} (block {table[bad // bs]})")
+            self.tokens_computed += n
             if end == len(st.token_ids):
-                tok = next_token(st.token_ids, self.vocab_size, st.seed)
-                st.token_ids.append(tok)
-                sampled.append(wk.SampledToken(sch.seq_id, tok))
+                sampled.append(wk.SampledToken(st.seq_id, next_token(st.token_ids, self.vocab_size, st.params.seed)))
+        self.states.finish_step(scheduled, sampled)
         t = 0.0
         if self.cost_model is not None:
             t = self.cost_model.step_time(cost_seqs, bs, len(step.swap_in) + len(step.swap_out), len(step.copies))

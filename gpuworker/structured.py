@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from pagedserve.common.messages.types import SamplingParams, StructuredSpec
+from pagedserve.gpuworker.inputs import to_device
 
 MAX_CACHED_GRAMMARS = 256
 
@@ -178,7 +179,7 @@ class StructuredDecoding:
                 self._eos_only(bitmask, i)
             else:
                 m.fill_next_token_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+        xgr.apply_token_bitmask_inplace(logits, to_device(bitmask, logits.device),
                                         vocab_size=self.vocab_size, indices=idx)
 
     def _eos_only(self, bitmask: torch.Tensor, row: int) -> None:

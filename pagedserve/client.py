@@ -12,12 +12,12 @@ both take the same options: ``api_key`` (sent as ``authorization: Bearer``),
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any, Iterator
 
 import grpc
 
+from pagedserve.common.env import env
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
+    p.add_argument("--api-key", default=env("API_KEY"))
     p.add_argument("--tls-ca", default=None, help="PEM of a CA to trust: connect over TLS")
     args = p.parse_args(argv)
     sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}

@@ -111,5 +111,5 @@ def test_slot_pool_catches_a_shared_block_and_follows_swaps() -> None:
     w.execute(_step(0, [wk.NewSeq(1, [1, 2, 3], [1], 0, params, 3)], [(1, 3)]))
     w.execute(wk.ExecuteStep(1, [], [], [], [], swap_out=[(1, 2)]))
     w.execute(wk.ExecuteStep(2, [], [wk.BlockDiff(1, 0, [5])], [], [], swap_in=[(2, 5)]))
-    w.gpu[1 * 4:2 * 4] = w.gpu[0:4]  # the old block is reused by someone else
+    w.pool.gpu[1 * 4:2 * 4] = w.pool.gpu[0:4]  # the old block is reused by someone else
     assert w.execute(_step(3, [], [(1, 1)])).sampled  # reads back through block 5

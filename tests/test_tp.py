@@ -85,7 +85,7 @@ def _rank_main(rank: int, port: int, root: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     tp = init_group(rank, 2, torch.device("cpu"), port=port)
     for family, (arch, overrides) in FAMILIES.items():
-        runner = ModelRunner(_config(make_tiny_model(root, arch, seed=3, **overrides), 2), tp)
+        runner = ModelRunner(_config(make_tiny_model(root, arch, seed=3, **overrides), 2), tp, keep_logits=True)
         runner.init()
         if rank == 0:
             out = scenario(runner)
@@ -143,7 +143,7 @@ def test_tp2_matches_tp1_and_each_rank_holds_only_its_heads(family: str, tp2_run
 
     root, out_dir = tp2_run
     arch, overrides = FAMILIES[family]
-    ref_runner = ModelRunner(_config(make_tiny_model(root, arch, seed=3, **overrides), 1))
+    ref_runner = ModelRunner(_config(make_tiny_model(root, arch, seed=3, **overrides), 1), keep_logits=True)
     ref_runner.init()
     ref = scenario(ref_runner)
     got = json.loads((out_dir / f"{family}.json").read_text())
@@ -213,7 +213,7 @@ def test_gpuworker_process_starts_its_ranks_and_stops_them(tmp_path: Path) -> No
         assert ready.num_gpu_blocks == 32 and ready.model.num_kv_heads == 2
         assert len(_tp_ranks_of(addr)) == 1
         prompt = prompts(1, [11], seed=5)[0]
-        ref = ModelRunner(_config(folder, 1))
+        ref = ModelRunner(_config(folder, 1), keep_logits=True)
         ref.init()
         tokens_ref, tokens = [], []
         for runner_tokens, call in ((tokens_ref, ref.execute), (tokens, lambda s: client.call(s, timeout_s=60))):

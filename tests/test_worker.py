@@ -27,7 +27,7 @@ def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 def make_runner(folder: str, **kw: object) -> ModelRunner:
     cfg = EngineConfig(model=folder, device="cpu", dtype="float32", block_size=BS, **{"num_gpu_blocks": 64, **kw})  # type: ignore[arg-type]
-    runner = ModelRunner(cfg)
+    runner = ModelRunner(cfg, keep_logits=True)
     runner.init()
     return runner
 
@@ -200,7 +200,7 @@ def test_finished_state_is_dropped_and_errors_are_clear(ckpt: tuple[str, torch.n
     ps = prompts(2, [4, 4])
     d.step({0: 4, 1: 4}, new={0: (ps[0], GREEDY), 1: (ps[1], GREEDY)})
     d.step({1: 1}, finished=[0])
-    assert set(runner.seqs) == {1}
+    assert set(runner.states.seqs) == {1}
     with pytest.raises(ValueError, match="unknown seq 0"):
         runner.execute(ExecuteStep(99, [], [], [ScheduledSeq(0, 1)], []))
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -208,7 +208,7 @@ def test_finished_state_is_dropped_and_errors_are_clear(ckpt: tuple[str, torch.n
     with pytest.raises(ValueError, match="cannot hold"):
         runner.execute(ExecuteStep(101, [NewSeq(6, list(range(3, 3 + BS + 1)), [9], 0, GREEDY, BS + 1)], [], [ScheduledSeq(6, BS + 1)], []))
     runner.reset()
-    assert runner.seqs == {}
+    assert runner.states.seqs == {}
 
 
 def test_seeded_sampling_is_batch_and_preemption_independent(ckpt: tuple[str, torch.nn.Module]) -> None:
@@ -334,7 +334,7 @@ def test_prompt_logprobs_and_sampled_logprobs_match_transformers(ckpt: tuple[str
 def test_cuda_graphs_fall_back_to_eager_on_cpu(ckpt: tuple[str, torch.nn.Module]) -> None:
     folder, hf = ckpt
     runner = ModelRunner(EngineConfig(model=folder, device="cpu", dtype="float32", block_size=BS, num_gpu_blocks=16),
-                         cuda_graphs=True)
+                         cuda_graphs=True, keep_logits=True)
     runner.init()
     assert runner.graphs is None
     d = Driver(runner)

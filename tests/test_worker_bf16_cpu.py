@@ -15,7 +15,7 @@ from pagedserve.gpuworker.model_runner import ModelRunner
 def test_bfloat16_on_cpu_within_bf16_bounds_of_transformers(tmp_path) -> None:
     folder = make_tiny_model(tmp_path, "llama", seed=3)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    runner = ModelRunner(EngineConfig(model=folder, device="cpu", dtype="bfloat16", block_size=8, num_gpu_blocks=64))
+    runner = ModelRunner(EngineConfig(model=folder, device="cpu", dtype="bfloat16", block_size=8, num_gpu_blocks=64), keep_logits=True)
     runner.init()
     assert runner.cache.gpu[0][0].dtype == torch.bfloat16
     d = Driver(runner)

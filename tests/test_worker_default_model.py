@@ -20,7 +20,7 @@ def test_smollm2_greedy_matches_transformers() -> None:
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True,
         return_dict=True,
     )["input_ids"]
-    runner = ModelRunner(EngineConfig(model=None, block_size=16, num_gpu_blocks=16))
+    runner = ModelRunner(EngineConfig(model=None, block_size=16, num_gpu_blocks=16), keep_logits=True)
     ready = runner.init()
     assert ready.model.model_name == "SmolLM2-135M-Instruct" and ready.model.eos_token_ids == (2,)
     assert ready.model.max_model_len == 8192 and ready.model.vocab_size == 49152

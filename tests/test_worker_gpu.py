@@ -25,7 +25,7 @@ def test_cuda_forward_with_swap_matches_transformers(arch: str, tmp_path_factory
     folder = make_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=0)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     runner = ModelRunner(EngineConfig(model=folder, device="cuda", dtype="float32", block_size=BS, num_gpu_blocks=64,
-                                      swap_space=0.01, max_num_seqs=8))
+                                      swap_space=0.01, max_num_seqs=8), keep_logits=True)
     runner.init()
     assert runner.backend.name == "triton" and runner.cache.cpu[0][0].is_pinned()
     d = Driver(runner)
@@ -58,7 +58,7 @@ def test_cuda_graph_decode_matches_eager_and_transformers(arch: str, tmp_path_fa
     folder = make_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=0)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     cfg = EngineConfig(model=folder, device="cuda", dtype="float32", block_size=BS, num_gpu_blocks=96, max_num_seqs=8)
-    graphed, eager = ModelRunner(cfg, cuda_graphs=True), ModelRunner(cfg, cuda_graphs=False)
+    graphed, eager = ModelRunner(cfg, cuda_graphs=True, keep_logits=True), ModelRunner(cfg, cuda_graphs=False, keep_logits=True)
     graphed.init()
     eager.init()
     assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4, 8] and eager.graphs is None

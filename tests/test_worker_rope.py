@@ -21,7 +21,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 def test_scaled_rope_logits_match_transformers(tmp_path: Path, scaling: dict[str, object]) -> None:
     d = make_tiny_model(tmp_path, "llama", seed=0, rope_scaling=scaling, rope_theta=500000.0)
     ids = list(range(5, 205))  # past original_max_position_embeddings, where llama3 scaling bites
-    runner = ModelRunner(EngineConfig(model=d, num_gpu_blocks=64))
+    runner = ModelRunner(EngineConfig(model=d, num_gpu_blocks=64), keep_logits=True)
     runner.init()
     blocks = list(range(20, 7, -1))
     runner.execute(ExecuteStep(0, [NewSeq(0, ids, blocks, 0, SamplingParams(temperature=0.0), len(ids))], [],

@@ -27,13 +27,13 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from pagedserve.common.env import env
 from pagedserve.bench.serve_proc import ServeProc, start_serve
 from pagedserve.bench.workloads import machine_info, poisson_arrivals, sample_lengths, synthetic_prompt
 
@@ -245,7 +245,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pagedserve bench serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--addr", default="127.0.0.1:50051", help="gRPC address (also used for model info)")
     p.add_argument("--http", default=None, help="base URL of the HTTP gateway: load it instead of gRPC")
-    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"))
+    p.add_argument("--api-key", default=env("API_KEY"))
     p.add_argument("--launch", default=None, metavar="ARGS", help="start `pagedserve serve ARGS` for the run")
     p.add_argument("--peer", default=None, choices=["vllm"],
                    help="then the same load over HTTP against `vllm serve` from .venv-peers, which it starts")

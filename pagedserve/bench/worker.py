@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.random_weights is not None:  # the worker loads the very tensors transformers drew
         source = ModelSource(hf_cfg, hf.state_dict().items, label)
     t0 = time.monotonic()
-    runner = ModelRunner(cfg, source=source, cuda_graphs=not args.no_cuda_graphs)
+    runner = ModelRunner(cfg, source=source, cuda_graphs=not args.no_cuda_graphs, keep_logits=True)
     runner.init()
     init_s = time.monotonic() - t0
     del source
