@@ -2,7 +2,9 @@
 in a private run directory, waits until the frontend reports SERVING, prints
 the addresses, restarts a child that dies (with backoff; the others recover
 it, see docs/fault-tolerance.md), and on Ctrl-C / SIGTERM stops every child (the frontend first,
-draining up to --shutdown-timeout) and removes the sockets. Children also die with the launcher (PR_SET_PDEATHSIG), so none is
+draining in-flight requests up to --shutdown-timeout, 30 s; a second Ctrl-C stops at once) and
+removes the sockets. Children run in their own session, so a terminal's Ctrl-C reaches only the
+launcher (the engine must outlive the drain), and die with it (PR_SET_PDEATHSIG), so none is
 orphaned even if the launcher is killed."""
 from __future__ import annotations
 
@@ -15,15 +17,30 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import FrameType
 from typing import Any, Callable
 
-from pagedserve.common.lifecycle import StopFlag
 from pagedserve.common.config import default_addresses, engine_argv
 from pagedserve.common.default_model import resolve_model
 from pagedserve.common.hub_cache import ModelNotFound
 from pagedserve.serve_args import ServeArgs, parse_serve_args
 
 COMPONENTS = ("blockmgr", "gpuworker", "scheduler", "frontend")
+
+
+class StopSignals:
+    """Counts SIGTERM/SIGINT: the first stops (draining), a second hurries the drain."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+
+    def __bool__(self) -> bool:
+        return self.count > 0
 
 
 def _die_with_parent() -> None:
@@ -94,12 +111,15 @@ def main(argv: list[str]) -> int:
     # The key travels in the frontend's environment: a command line is world-readable in ps.
     fe_env = dict(env, **({"PAGEDSERVE_API_KEY": sa.api_key} if sa.api_key else {}))
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    stopping = StopFlag()
+    stopping = StopSignals()
 
     def start(name: str) -> subprocess.Popen[bytes]:
         extra = _frontend_args(sa) if name == "frontend" else []
+        # start_new_session: a terminal's Ctrl-C goes to its foreground process group; the
+        # children must not get it, or the engine would stop under the frontend's drain.
         return subprocess.Popen([sys.executable, "-m", "pagedserve", name, *common, *extra],
-                                env=fe_env if name == "frontend" else env, preexec_fn=_die_with_parent)
+                                env=fe_env if name == "frontend" else env, preexec_fn=_die_with_parent,
+                                start_new_session=True)
 
     try:
         for name in COMPONENTS:
@@ -118,7 +138,7 @@ def main(argv: list[str]) -> int:
         supervise(procs, start, lambda: bool(stopping))
         return 0
     finally:
-        _stop_all(procs, cfg.shutdown_timeout)
+        _stop_all(procs, cfg.shutdown_timeout, hurried=lambda: stopping.count > 1)
         shutil.rmtree(run_dir, ignore_errors=True)
         print("pagedserve: stopped", file=sys.stderr, flush=True)
 
@@ -154,17 +174,24 @@ def supervise(procs: dict[str, subprocess.Popen[bytes]], start: Callable[[str], 
         time.sleep(poll_s)
 
 
-def _stop_all(procs: dict[str, subprocess.Popen[bytes]], drain_s: float = 0.0, grace_s: float = 10.0) -> None:
-    # The frontend first, alone: it drains in-flight requests (up to drain_s)
-    # while the engine behind it still runs; then the rest.
+def _stop_all(procs: dict[str, subprocess.Popen[bytes]], drain_s: float = 0.0, grace_s: float = 10.0,
+              hurried: Callable[[], bool] = lambda: False) -> None:
+    # The frontend first, alone: it drains in-flight requests (up to drain_s, or
+    # until ``hurried()``: a second Ctrl-C, passed on as a second SIGTERM) while
+    # the engine behind it still runs; then the rest.
     for group in (["frontend"], [n for n in reversed(COMPONENTS) if n != "frontend"]):
         live = [procs[n] for n in group if n in procs and procs[n].poll() is None]
         for pr in live:
             pr.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s + (drain_s if group == ["frontend"] else 0.0)
+        draining = group == ["frontend"]
+        deadline = time.monotonic() + grace_s + (drain_s if draining else 0.0)
         for pr in live:
-            try:
-                pr.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            while pr.poll() is None and time.monotonic() < deadline:
+                if draining and hurried():
+                    pr.send_signal(signal.SIGTERM)  # the frontend's second signal: it stops at once
+                    draining = False
+                    deadline = min(deadline, time.monotonic() + grace_s)
+                time.sleep(0.02)
+            if pr.poll() is None:
                 pr.kill()
                 pr.wait()

@@ -18,6 +18,12 @@ from pagedserve.common.hub_cache import is_hub_id
 
 DEFAULT_HTTP_PORT = 8000  # vLLM's
 DEFAULT_GRPC_PORT = 50051
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # the issue's; EngineConfig's 0 stays for components that do not drain
+
+
+def shutdown_timeout_default() -> str | float:
+    """``--shutdown-timeout``'s default where it drains (serve, the frontend): the variable, else 30 s."""
+    return env("SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT_S)
 
 
 def version() -> str:
@@ -46,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"pagedserve {version()}",
                    help="print the version and exit")
     add_engine_args(p)
+    p.set_defaults(shutdown_timeout=shutdown_timeout_default())
     p.add_argument("--served-model-name", nargs="+", default=env("SERVED_MODEL_NAME"), metavar="NAME",
                    help=helptext("names the OpenAI API accepts in 'model' (the variable: space-separated); the "
                                  "first is reported by /v1/models and in the model_name metrics label; none: "

@@ -19,6 +19,7 @@ from typing import Any
 from pagedserve.client import GenerationClient
 
 _SERVING = re.compile(r"serving .* on (\S+) \(pids (.*)\)")
+DRAIN_PATIENCE_S = 3.0  # a stop with nothing in flight takes far less
 
 
 def free_port() -> int:
@@ -67,15 +68,20 @@ def _pid_alive(pid: int) -> bool:
 
 
 @contextmanager
-def serve(*args: str, timeout_s: float = 300.0, env: dict[str, str] | None = None) -> Iterator[Server]:
+def serve(*args: str, timeout_s: float = 300.0, env: dict[str, str] | None = None,
+          session: bool = False) -> Iterator[Server]:
     """Runs `pagedserve serve ARGS`, yields once it prints its address, then
     stops it with SIGINT (as Ctrl-C does) and checks nothing is left behind.
-    gRPC and HTTP get free ports (HTTP: PAGEDSERVE_HTTP_PORT from ``env`` if given)."""
+    gRPC and HTTP get free ports (HTTP: PAGEDSERVE_HTTP_PORT from ``env`` if given).
+    ``session``: the launcher leads its own process group, so a test can send
+    a terminal's Ctrl-C to the whole group (``os.killpg(server.proc.pid, ...)``).
+    A stream still open at the end would hold the stop for the drain
+    (``--shutdown-timeout``, 30 s): after a moment a second Ctrl-C ends it."""
     port = free_port()
     http_port = int((env or {}).get("PAGEDSERVE_HTTP_PORT") or free_port())
     cmd = [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", str(port), "--port", str(http_port), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}, start_new_session=session)
     log: list[str] = []
     found: dict[str, str] = {}
     ready = threading.Event()
@@ -103,10 +109,16 @@ def serve(*args: str, timeout_s: float = 300.0, env: dict[str, str] | None = Non
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            rc = proc.wait(30)
+            rc = proc.wait(DRAIN_PATIENCE_S)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+            print(f"e2e_util.serve: still draining after {DRAIN_PATIENCE_S:g}s (a stream left open?): "
+                  "a second Ctrl-C", file=sys.stderr)
+            proc.send_signal(signal.SIGINT)
+            try:
+                rc = proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
         t.join(5)
         deadline = time.monotonic() + 10
         while any(_pid_alive(p) for p in pids.values()) and time.monotonic() < deadline:
