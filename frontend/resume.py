@@ -29,6 +29,7 @@ class _InFlight:
     req: fe.AddRequest
     streamed: dict[int, list[int]] = field(default_factory=dict)  # output index -> tokens streamed
     finished: set[int] = field(default_factory=set)
+    sample_ids: list[str] = field(default_factory=list)  # ID/i sent to a new scheduler so far
 
     @property
     def num_outputs(self) -> int:
@@ -63,13 +64,13 @@ class ResumeBook:
 
     def engine_ids(self, request_id: str) -> list[str]:
         """Every id the engine may know this request by (to abort it)."""
-        return [request_id, *(s for s, (rid, _) in self._samples.items() if rid == request_id)]
+        f = self._reqs.get(request_id)
+        return [request_id, *(f.sample_ids if f is not None else ())]
 
     def forget(self, request_id: str) -> None:
         f = self._reqs.pop(request_id, None)
-        if f is not None and f.req.params.n > 1:
-            for i in range(f.req.params.n):
-                self._samples.pop(f"{request_id}{SAMPLE_SEP}{i}", None)
+        for sid in f.sample_ids if f is not None else ():
+            self._samples.pop(sid, None)
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -91,7 +92,9 @@ class ResumeBook:
                     if i in f.finished:
                         continue
                     sid = f"{rid}{SAMPLE_SEP}{i}"
-                    self._samples[sid] = (rid, i)
+                    if sid not in self._samples:
+                        self._samples[sid] = (rid, i)
+                        f.sample_ids.append(sid)
                     one = msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
                     out.append(self._continued(msgspec.structs.replace(r, request_id=sid, params=one),
                                                f.streamed.get(i, [])))
