@@ -4,6 +4,7 @@
   pagedserve frontend|scheduler|blockmgr|gpuworker ...   one component
   pagedserve generate PROMPT ...           a small streaming client
   pagedserve keygen DIR                    CurveZMQ keys for internal tcp:// sockets
+  pagedserve healthcheck [grpc|http|tcp T]  exit 0 when this container's component is ready
   pagedserve bench NAME ...                pagedserve.bench.NAME.main(argv)
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ _COMPONENTS = {
     "serve": "pagedserve.launcher",
     "generate": "pagedserve.client",
     "keygen": "pagedserve.common.curve",
+    "healthcheck": "pagedserve.healthcheck",
 }
 
 

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Builds the pagedserve image with podman, from a base image made here (no
+# image registry needed): a minimal Debian root filesystem from debootstrap
+# (python3.11, venv, g++), imported with `podman import` and cached.
+#
+#   scripts/build-image.sh                      # pagedserve:latest (CPU torch)
+#   scripts/build-image.sh --bake-model         # + the converted SmolLM2 inside
+#   scripts/build-image.sh --variant cuda       # CUDA torch (needs a CUDA torch wheel in reach)
+#
+# Environment: PAGEDSERVE_IMAGE (default pagedserve:latest), PAGEDSERVE_BASE_IMAGE
+# (default localhost/pagedserve-base:bookworm), DEBIAN_SUITE (bookworm: its
+# python3 is 3.11), DEBIAN_MIRROR, PODMAN (default podman). The local pip
+# mirrors (`pip config list`: find-links, extra-index-url file://...) are mounted
+# read-only into the build, so pip inside it installs the same wheels as here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+IMAGE="${PAGEDSERVE_IMAGE:-pagedserve:latest}"
+BASE="${PAGEDSERVE_BASE_IMAGE:-localhost/pagedserve-base:bookworm}"
+SUITE="${DEBIAN_SUITE:-bookworm}"
+MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+PODMAN="${PODMAN:-podman}"
+VARIANT=cpu
+BAKE=0
+REBUILD_BASE=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --variant) VARIANT="$2"; shift 2 ;;
+    --bake-model) BAKE=1; shift ;;
+    --rebuild-base) REBUILD_BASE=1; shift ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) echo "build-image.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+need=()
+command -v "$PODMAN" >/dev/null || need+=(podman)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+command -v runc >/dev/null || need+=(runc)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "build-image.sh: installing ${need[*]} with apt-get" >&2
+  DEBIAN_FRONTEND=noninteractive apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
+fi
+
+# Debian's podman as root here: crun fails on setrlimit and hybrid cgroups, runc works.
+RUNTIME=(--runtime runc)
+ULIMITS=(--ulimit nofile=4096:4096 --ulimit nproc=4096:4096)
+
+# ---------------------------------------------------------------- base image
+if [ "$REBUILD_BASE" = 1 ] || ! "$PODMAN" image exists "$BASE"; then
+  root="$(mktemp -d /var/tmp/pagedserve-rootfs.XXXXXX)"
+  trap 'rm -rf "$root"' EXIT
+  echo "build-image.sh: debootstrap $SUITE into $root (once; a few minutes)" >&2
+  # minbase + what the image needs: python3.11 with venv, g++ (the CPU attention kernel is
+  # compiled at first use; Triton compiles with a C compiler on CUDA), CA certificates.
+  debootstrap --variant=minbase --include=python3,python3-venv,python3-dev,g++,ca-certificates \
+    "$SUITE" "$root" "$MIRROR"
+  chroot "$root" apt-get clean
+  rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/usr/share/doc/* "$root"/usr/share/man/*
+  tar -C "$root" -c . | "$PODMAN" import \
+    --change 'ENV LANG=C.UTF-8' --change 'CMD ["/bin/bash"]' \
+    --message "debootstrap --variant=minbase $SUITE (python3, python3-venv, g++)" - "$BASE"
+  rm -rf "$root"
+  trap - EXIT
+else
+  echo "build-image.sh: base image $BASE exists (--rebuild-base to remake it)" >&2
+fi
+
+# ---------------------------------------------------------------- project image
+# pip's local mirrors and CA bundle, as this machine's pip config names them
+# (`pip config list`), mounted read-only: pip inside the build installs the same wheels.
+mounts=()
+pipconf="$(mktemp /tmp/pagedserve-pip.XXXXXX.conf)"
+trap 'rm -f "$pipconf"' EXIT
+pipval() { pip config list 2>/dev/null | sed -n "s/^global\.$1='\(.*\)'$/\1/p" | head -1; }
+links="$(pipval find-links)"
+index="$(pipval extra-index-url)"
+cert="$(pipval cert)"
+{
+  echo "[global]"
+  echo "disable-pip-version-check = true"
+  [ -n "$links" ] && echo "find-links = $links"
+  [ -n "$index" ] && echo "extra-index-url = $index"
+  # A TLS-intercepting proxy's CA may be in this machine's bundle: for the build only.
+  [ -n "$cert" ] && [ -f "$cert" ] && echo "cert = /etc/pagedserve-build-ca.crt"
+  true
+} > "$pipconf"
+for d in $links $(echo "$index" | tr ' ' '\n' | sed -n 's#^file://##p'); do
+  # a file:// simple index links to ../files: mount its parent
+  case "$d" in */simple|*/simple/) d="$(dirname "$d")" ;; esac
+  [ -d "$d" ] && mounts+=(--volume "$d:$d:ro")
+done
+mounts+=(--volume "$pipconf:/etc/pip.conf:ro")
+[ -n "$cert" ] && [ -f "$cert" ] && mounts+=(--volume "$cert:/etc/pagedserve-build-ca.crt:ro")
+# Proxy settings of this machine, if any (apt/pip inside the build).
+for v in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY; do
+  [ -n "${!v:-}" ] && mounts+=(--build-arg "$v=${!v}")
+done
+
+echo "build-image.sh: building $IMAGE (variant $VARIANT, bake model $BAKE) from $BASE" >&2
+start=$(date +%s)
+"$PODMAN" build --format docker "${RUNTIME[@]}" "${ULIMITS[@]}" "${mounts[@]}" \
+  --build-arg "BASE_IMAGE=$BASE" --build-arg "VARIANT=$VARIANT" --build-arg "BAKE_MODEL=$BAKE" \
+  -t "$IMAGE" -f Dockerfile .
+end=$(date +%s)
+size="$("$PODMAN" image inspect --format '{{.Size}}' "$IMAGE")"
+echo "build-image.sh: built $IMAGE in $((end - start)) s, $((size / 1000000)) MB"
