@@ -9,7 +9,7 @@ moves whole sequence groups between the GPU and the CPU pool.
 Conventions
 * GPU block 0 is the null block: never handed out, so the worker may pad
   block tables and slot mappings with it. ``BlockStats.num_gpu_blocks``
-  counts usable blocks (``num_gpu_blocks - 1``), so ``gpu_usage`` is exact.
+  counts usable blocks (``num_gpu_blocks - 1``), so ``kv_usage`` is exact.
   CPU blocks are all usable.
 * A full block is keyed by sha256(parent key + its token ids); the chain's
   root is the empty key, or sha256 of the request's cache salt. A block
@@ -18,10 +18,10 @@ Conventions
   by this step's forward pass; extra rounds of the same step (preemption,
   ``continues_step`` True) do not commit, and a block freed before the
   commit is never cached.
-* ``SeqResult``s are sent only for ops that changed a GPU block table
-  (Allocate always, Fork for the child, Append only when it added or
-  replaced a block, SwapOut/SwapIn per sequence) or that answered
-  ``NO_ROOM``. Free answers nothing: it cannot fail.
+* ``StepReply.results`` pairs with the ops: one entry per sequence an op
+  names, in order (Fork: the child; SwapOut/SwapIn: each of the group).
+  ``None`` means applied with the GPU block table unchanged (every Free, an
+  Append that needed no new block); anything else is a ``SeqResult``.
 * Swaps move a whole group (``swap.py``); prefix-cache keys are computed in
   ``prefix_cache.py``; each table is a ``seq_table.SeqTable``. The blockmgr
   owns the block tables; the scheduler and the worker keep copies built only
@@ -101,7 +101,7 @@ class BlockManager(SwapOps):
     def step(self, req: StepRequest) -> StepReply:
         if not req.continues_step:
             self.begin_step()
-        results: list[SeqResult] = []
+        results: list[SeqResult | None] = []  # one per sequence an op names, in order
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         blocked = False  # after the first NO_ROOM, admissions wait (FCFS)
@@ -109,11 +109,12 @@ class BlockManager(SwapOps):
         for op in req.ops:
             if type(op) is Append:
                 r = append_slots(op.seq_id, op.token_ids)
+                results.append(r)
                 if r is not None:
-                    results.append(r)
                     blocked = blocked or r.status is _NO_ROOM
             elif type(op) is Free:
                 self.free(op.seq_id)
+                results.append(None)
             elif type(op) is Allocate:
                 if blocked:
                     results.append(SeqResult(op.seq_id, _NO_ROOM))

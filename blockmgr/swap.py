@@ -8,6 +8,8 @@ this step from its source.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pagedserve.blockmgr.block_pool import Block, BlockPool
 from pagedserve.blockmgr.seq_table import BlockManagerError, SeqTable
 from pagedserve.common.blocks import cdiv
@@ -26,8 +28,8 @@ class SwapOps:
     _cow_src: dict[int, int]
     _swapin_src: dict[int, Block]
 
-    def _seq(self, seq_id: int, on_gpu: bool = True) -> SeqTable:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # provided by the class this is mixed into
+        def _seq(self, seq_id: int, on_gpu: bool = True) -> SeqTable: ...
 
     def _group(self, seq_ids: list[int], on_cpu: bool) -> list[SeqTable]:
         if len(set(seq_ids)) != len(seq_ids):

@@ -91,6 +91,7 @@ def engine_stats_metrics(s: Any) -> Iterator[Metric]:
 
 
 def block_stats_metrics(s: Any) -> Iterator[Metric]:
+    """``s``: an EngineStats or a BlockStats (both name the same counts and kv_usage)."""
     usage = s.kv_usage
     yield _gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", usage)
     yield _gauge("num_gpu_blocks", "KV blocks in the GPU pool.", s.num_gpu_blocks)

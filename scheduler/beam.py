@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_NEG = -1.0e9
-
 
 @dataclass
 class Hypothesis:

@@ -122,7 +122,6 @@ class EngineCore:
             eos_token_ids=ready.model.eos_token_ids,
             preemption_mode=cfg.preemption_mode,
             num_cpu_blocks=ready.num_cpu_blocks,
-            kv_watermark=cfg.kv_watermark,
         ))
 
     def _worker_call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply:
@@ -211,21 +210,27 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def step(self) -> list[fe.TokenDelta]:
+        """One step as typed messages, each reply paired with its request
+        (docs/architecture.md, "One engine step"); the plan is this call's."""
         sch = self.scheduler
-        req = sch.schedule()
-        while isinstance(req, bm.StepRequest):
+        plan = sch.schedule()
+        if plan is None:
+            return sch.take_deltas()
+        req: bm.StepRequest | None = plan.request
+        while req is not None:
             reply = self._block_call(req)
             assert isinstance(reply, bm.StepReply)
-            req = sch.on_block_reply(reply)
-        if req is None:
+            req = sch.on_block_reply(plan, reply)
+        execute = sch.build_execute(plan)
+        if execute is None:
             return sch.take_deltas()
         t0 = time.perf_counter()
-        result = self.worker.call(req)
+        result = self.worker.call(execute)
         self.last_step_s = time.perf_counter() - t0
         if isinstance(result, wk.WorkerError):
-            return sch.on_step_failed(result.message)
+            return sch.on_step_failed(plan, result.message)
         assert isinstance(result, wk.StepResult)
-        return sch.on_step_result(result)
+        return sch.on_step_result(plan, result)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> list[fe.TokenDelta]:
         """Steps until nothing is left (tests and offline benchmarks)."""

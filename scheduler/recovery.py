@@ -27,13 +27,12 @@ def requeue_all(sch: Scheduler) -> int:
         for s in group.live_seqs:
             s.status = SeqStatus.WAITING
             s.num_computed_tokens = 0
-            s.block_table = []
+            s.num_blocks = 0
             s.known_to_worker = False
     sch.waiting = deque(groups)
     # Beam forks name parents the reset blockmgr no longer has: each new beam
     # is prefilled from its own tokens instead.
     sch._pending_forks, sch._pending_frees, sch._pending_drops = [], [], []
     sch._pending_free_blocks = 0
-    sch._plan = None
     sch.block_stats = None
     return len(in_flight)

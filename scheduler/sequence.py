@@ -34,23 +34,17 @@ class Sequence:
     token_ids: list[int]  # prompt followed by the generated tokens
     num_prompt_tokens: int
     num_computed_tokens: int = 0  # tokens whose K/V is in the pool
-    block_table: list[int] = field(default_factory=list)  # GPU block ids, mirrored from blockmgr replies
+    # Length of its GPU block table. The table itself is the blockmgr's; the
+    # scheduler relays its diffs to the worker and keeps only this count.
+    num_blocks: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     known_to_worker: bool = False
     cum_logprob: float = 0.0  # beam search: sum of the chosen tokens' logprobs
 
     @property
-    def num_blocks(self) -> int:
-        return len(self.block_table)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -65,11 +59,10 @@ class SequenceGroup:
     arrival_time: float
     arrival_order: int  # ties broken by submission order
     cache_salt: str | None = None
-    error: str | None = None
     num_preemptions: int = 0
     # Parallel sampling: the prompt (minus its last token) is prefilled once by
     # the first sequence, then the others fork from it and share its blocks.
-    forked: bool = True
+    needs_fork: bool = False
     beam: BeamSearch | None = None
     beam_tops: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # this step's reports
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
@@ -77,9 +70,18 @@ class SequenceGroup:
     queue_time_s: float | None = None  # set at first admission
     queue_time_sent: bool = False
 
+    def tokens_to_compute(self, seq: Sequence) -> int:
+        """Tokens the sequence still has to compute before it can sample
+        (before the fork, the first sequence stops short of the last prompt token)."""
+        end = len(seq.token_ids) - (1 if self.needs_fork else 0)
+        return end - seq.num_computed_tokens
+
     @property
-    def needs_fork(self) -> bool:
-        return not self.forked
+    def batch_width(self) -> int:
+        """Sequences the group takes in a batch (what max_num_seqs counts)."""
+        if self.needs_fork:
+            return self.params.n
+        return max(len(self.live_seqs), self.params.beam_width if self.beam else 1)
 
     @property
     def live_seqs(self) -> list[Sequence]:

@@ -61,7 +61,7 @@ def test_null_block_never_handed_out_and_stats_count_usable() -> None:
     assert (st.num_gpu_blocks, st.num_free_gpu_blocks) == (2, 2)
     r = step(m, Allocate(1, list(range(8)), 8))
     assert r.results == [res(1, 0, [1, 2], 0, 8)]
-    assert r.stats.num_free_gpu_blocks == 0 and r.stats.gpu_usage == 1.0
+    assert r.stats.num_free_gpu_blocks == 0 and r.stats.kv_usage == 1.0
     r = step(m, Allocate(2, [1], 1))
     assert r.results == [SeqResult(2, NO_ROOM)]
 
@@ -88,7 +88,7 @@ def test_continued_step_does_not_commit_unwritten_blocks() -> None:
     # a preemption round of the same step: blocks 1-3 hold no K/V yet
     r = m.step(StepRequest([Free(1), Allocate(2, A, 12)], continues_step=True))
     m.check_integrity()
-    assert r.results == [res(2, 0, [1, 2, 3], 0, 12)]  # no hit; freed unkeyed blocks reused first
+    assert r.results == [None, res(2, 0, [1, 2, 3], 0, 12)]  # Free: None; no hit; freed unkeyed blocks reused first
     assert not m.gpu.cached
     r = step(m, Allocate(3, A, 12))  # next step: seq 2's blocks are cached now
     assert r.results == [res(3, 0, [1, 2, 4], 8, 4)]
@@ -151,14 +151,14 @@ def test_cow_on_shared_partial_last_block() -> None:
     assert r.results == [SeqResult(2, OK, 0, [1, 2])]
     assert r.stats.num_shared_block_refs == 2
     r = step(m, Append(1, [7]), Append(2, [8]))
-    # seq 1 copies the shared last block; seq 2 then owns block 2 alone: no copy
-    assert r.results == [res(1, 1, [3], 0, 1)]
+    # seq 1 copies the shared last block; seq 2 then owns block 2 alone: no copy (None: unchanged)
+    assert r.results == [res(1, 1, [3], 0, 1), None]
     assert r.copies == [(2, 3)]
     assert m.block_table(1) == [1, 3] and m.block_table(2) == [1, 2]
     assert r.stats.num_shared_block_refs == 1
     # fill both last blocks, then the next token needs a fresh block each
     r = step(m, Append(1, [9]), Append(2, [9]))
-    assert r.results == [] and r.copies == []
+    assert r.results == [None, None] and r.copies == []
     r = step(m, Append(1, [1]), Append(2, [1]))
     assert r.results == [res(1, 2, [4], 0, 1), res(2, 2, [5], 0, 1)] and r.copies == []
 

@@ -25,6 +25,7 @@ from pagedserve.common.messages.blockmgr import (
     StepRequest,
     SwapIn,
     SwapOut,
+    answered_seq_ids,
 )
 
 # prompts share prefixes so that the prefix cache hits often
@@ -99,10 +100,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
             before = self.snapshot()
             reply = self.m.step(StepRequest(ops, continues_step=i > 1))
             self.m.check_integrity()
+            names = [sid for op in ops for sid in answered_seq_ids(op)]
+            assert len(reply.results) == len(names), "results pair one to one with the ops' sequences"
             by_seq = {}
-            for r in reply.results:
-                assert r.seq_id not in by_seq
-                by_seq[r.seq_id] = r
+            for sid, r in zip(names, reply.results):
+                if r is None:  # applied, table unchanged
+                    continue
+                assert r.seq_id == sid and sid not in by_seq
+                by_seq[sid] = r
             # FCFS: after the first NO_ROOM, every later Allocate/SwapIn is NO_ROOM
             blocked = False
             for op in ops:
@@ -113,10 +118,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
                         assert r is not None and r.status is Status.NO_ROOM
                     if r is not None and r.status is Status.NO_ROOM:
                         blocked = True
-            if len(ops) == 1 and reply.results and all(r.status is Status.NO_ROOM for r in reply.results):
+            if len(ops) == 1 and by_seq and all(r.status is Status.NO_ROOM for r in by_seq.values()):
                 assert self.snapshot() == before, "a NO_ROOM op changed the manager"
             # the scheduler's view: apply table diffs
-            for r in reply.results:
+            for r in by_seq.values():
                 if r.status is Status.OK:
                     self.tables.setdefault(r.seq_id, [])[r.table_start:] = r.block_ids
             # a swap moves each distinct block once: sharing inside the group survives

@@ -3,9 +3,10 @@
 The scheduler sends a ``StepRequest`` holding every memory operation of the
 step, in the order they must be applied (frees first, then appends of running
 sequences oldest first, then admissions in FCFS order). The blockmgr applies
-them in order and answers one ``StepReply`` with a ``SeqResult`` per op that
-touched a sequence's block table, the copy-on-write copies and the swap
-mappings the worker must execute before the forward pass.
+them in order and answers one ``StepReply`` whose results pair one to one
+with the ops (one entry per sequence an op names: a ``SeqResult``, or None
+when the block table did not change), plus the copy-on-write copies and the
+swap mappings the worker must execute before the forward pass.
 
 An op that cannot get memory changes nothing and answers ``no_room``; once
 one op has answered ``no_room``, every later ``Allocate`` and ``SwapIn`` in
@@ -67,6 +68,16 @@ class SwapIn(msgspec.Struct, tag=6, array_like=True):
 
 
 Op = Allocate | Append | Free | Fork | SwapOut | SwapIn
+
+
+def answered_seq_ids(op: Op) -> list[int]:
+    """The sequences the answers to ``op`` stand for, in the order they come
+    in ``StepReply.results``: one per sequence the op names."""
+    if isinstance(op, (SwapOut, SwapIn)):
+        return op.seq_ids
+    if isinstance(op, Fork):
+        return [op.child_seq_id]
+    return [op.seq_id]
 
 
 class StepRequest(msgspec.Struct, tag=10, array_like=True):
@@ -140,12 +151,14 @@ class BlockStats(msgspec.Struct, tag=20, array_like=True):
     num_admissible_gpu_blocks: int = 0
 
     @property
-    def gpu_usage(self) -> float:
+    def kv_usage(self) -> float:
         return kv_usage(self.num_free_gpu_blocks, self.num_gpu_blocks)
 
 
 class StepReply(msgspec.Struct, tag=21, array_like=True):
-    results: list[SeqResult]
+    # One entry per sequence an op names, in the ops' order (Fork: the child;
+    # SwapOut/SwapIn: each of the group); None: applied, block table unchanged.
+    results: list[SeqResult | None]
     copies: list[tuple[int, int]]  # copy-on-write (src_gpu_block, dst_gpu_block)
     swap_out: list[tuple[int, int]]  # (gpu_block, cpu_block)
     swap_in: list[tuple[int, int]]  # (cpu_block, gpu_block)

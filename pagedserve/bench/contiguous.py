@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from pagedserve.bench.memory import MAX_LEN, BuddyAllocator, next_pow2
 from pagedserve.bench.workloads import RequestLen
+from pagedserve.common.blocks import NUM_RESERVED_GPU_BLOCKS, cdiv, usable_gpu_blocks
 from pagedserve.common.messages.blockmgr import (
     Allocate,
     Append,
@@ -40,7 +41,6 @@ from pagedserve.common.messages.blockmgr import (
 )
 
 POLICIES = ("orca_max", "orca_pow2", "orca_oracle")
-NULL_BLOCK = 0  # kept out of the space, as in BlockManager
 
 
 class ContiguousError(ValueError):
@@ -70,7 +70,7 @@ class ContiguousBlockManager:
         self.policy = policy
         self.lengths = lengths
         self.max_len = max_len
-        self.num_slots = (num_gpu_blocks - 1) * block_size
+        self.num_slots = usable_gpu_blocks(num_gpu_blocks) * block_size  # the null block kept out, as in BlockManager
         self.reset()
 
     def reset(self) -> None:
@@ -92,13 +92,15 @@ class ContiguousBlockManager:
     # ---- the batched step -------------------------------------------------
 
     def step(self, req: StepRequest) -> StepReply:
-        results: list[SeqResult] = []
+        results: list[SeqResult | None] = []  # pairs with the ops (messages/blockmgr.py)
         blocked = False  # after the first NO_ROOM, admissions wait (FCFS)
         for op in req.ops:
             if type(op) is Append:
-                self.append(op.seq_id, len(op.token_ids))  # the table never changes: no result
+                self.append(op.seq_id, len(op.token_ids))
+                results.append(None)  # the table never changes
             elif type(op) is Free:
                 self.free(op.seq_id)
+                results.append(None)
             elif type(op) is Allocate:
                 r = SeqResult(op.seq_id, Status.NO_ROOM) if blocked else self.allocate(op)
                 results.append(r)
@@ -139,8 +141,8 @@ class ContiguousBlockManager:
         self.buddy.release(res.offset, res.order)
 
     def _block_ids(self, res: _Reservation) -> list[int]:
-        first = NULL_BLOCK + 1 + res.offset // self.block_size
-        return list(range(first, first + -(-res.capacity // self.block_size)))
+        first = NUM_RESERVED_GPU_BLOCKS + res.offset // self.block_size
+        return list(range(first, first + cdiv(res.capacity, self.block_size)))
 
     # ---- introspection ------------------------------------------------------
 
@@ -148,8 +150,9 @@ class ContiguousBlockManager:
         return self._block_ids(self.seqs[seq_id])
 
     def stats(self) -> BlockStats:
-        usable = self.num_gpu_blocks - 1
-        return BlockStats(usable, self.buddy.free_slots // self.block_size, 0, 0, len(self.seqs))
+        free = self.buddy.free_slots // self.block_size
+        # No watermark: every free block is open to admission.
+        return BlockStats(usable_gpu_blocks(self.num_gpu_blocks), free, 0, 0, len(self.seqs), num_admissible_gpu_blocks=free)
 
     def slot_usage(self) -> dict[str, int]:
         """Slots holding tokens, reserved by policy but unused, and lost to

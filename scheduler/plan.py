@@ -1,0 +1,37 @@
+"""One step's plan, passed explicitly through the step (like vLLM's
+``SchedulerOutput``): ``Scheduler.schedule`` creates it, every blockmgr
+round adds to it, ``Scheduler.build_execute`` turns it into the worker's
+``ExecuteStep`` and ``Scheduler.on_step_result`` reads it back. Nothing of
+it lives on the scheduler between two steps.
+
+Pairing: ``StepReply.results`` answers ``request.ops`` one entry per
+sequence an op names, in order (a ``SwapOut``/``SwapIn`` names its whole
+group, a ``Fork`` its child); ``None`` means applied with the block table
+unchanged (a ``Free``, an ``Append`` that needed no new block).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.common.messages import blockmgr as bm
+from pagedserve.common.messages import worker as wk
+from pagedserve.scheduler.sequence import Sequence, SequenceGroup
+
+
+@dataclass
+class StepPlan:
+    request: bm.StepRequest  # the round in flight; its reply pairs with its ops
+    admitted: list[SequenceGroup] = field(default_factory=list)  # tried this round, settled after it
+    scheduled: dict[int, tuple[Sequence, int]] = field(default_factory=dict)  # insertion = batch order
+    new_seqs: list[Sequence] = field(default_factory=list)  # the worker learns of them this step
+    block_diffs: list[wk.BlockDiff] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # request ids, this step
+
+    def unschedule(self, group: SequenceGroup) -> None:
+        for s in group.seqs:
+            self.scheduled.pop(s.seq_id, None)
+            if s in self.new_seqs:
+                self.new_seqs.remove(s)

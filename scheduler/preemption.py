@@ -1,0 +1,114 @@
+"""Preemption (PagedAttention paper, sec. 4.5), part of the ``Scheduler``:
+when a running sequence finds no room, the latest arrivals give back their
+blocks, whole groups at a time, by recompute or swap, and the failed appends
+are retried in another round of the same step."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from collections import deque
+
+from pagedserve.common.blocks import cdiv
+from pagedserve.common.messages import blockmgr as bm
+from pagedserve.common.messages.frontend import ErrorKind
+from pagedserve.scheduler.plan import StepPlan
+if TYPE_CHECKING:
+    from pagedserve.scheduler.core import SchedulerConfig
+
+from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
+
+
+def victim_blocks(group: SequenceGroup) -> int:
+    return sum(s.num_blocks for s in group.live_seqs)
+
+
+class Preemption:
+    """Mixed into ``Scheduler``; the state it reads is the scheduler's."""
+
+    cfg: SchedulerConfig
+    running: list[SequenceGroup]
+    swapped: list[SequenceGroup]
+    waiting: deque[SequenceGroup]
+    num_preemptions: int
+    _seq_group: dict[int, SequenceGroup]
+    _pending_frees: list[int]
+    _pending_drops: list[int]
+
+    if TYPE_CHECKING:  # provided by the class this is mixed into
+        def _finish_group(self, group: SequenceGroup, reason: FinishReason, error: str | None = None,
+                          kind: ErrorKind = ErrorKind.INTERNAL) -> None: ...
+        def _append_op(self, seq: Sequence, k: int) -> bm.Append: ...
+
+    def _preempt_for(self, plan: StepPlan, failed: list[tuple[Sequence, int]]) -> list[bm.Op]:
+        """Preempt the latest arrivals until each failed append can be retried.
+        Blocks a victim releases may be shared, so this is an estimate; a
+        retry that still finds no room comes back for another round."""
+        ops: list[bm.Op] = []
+        released = 0
+        for seq, k in failed:
+            group = self._seq_group[seq.seq_id]
+            need = max(1, cdiv(seq.num_computed_tokens + k, self.cfg.block_size) - seq.num_blocks)
+            while group.request_id not in plan.preempted and released < need:
+                victim = self.running[-1]
+                if victim is group and len(self.running) == 1:
+                    # Alone and still no room: waiting cannot help.
+                    self.running.remove(group)
+                    plan.preempted.add(group.request_id)
+                    plan.unschedule(group)
+                    self._finish_group(group, FinishReason.ERROR, "sequence outgrew the KV cache", ErrorKind.KV_CACHE)
+                    ops += [bm.Free(s) for s in self._pending_frees]
+                    self._pending_frees = []
+                    break
+                released += victim_blocks(victim)
+                ops += self._preempt(plan, victim)
+            if group.request_id not in plan.preempted:
+                released -= need
+                ops.append(self._append_op(seq, k))
+        return ops
+
+    def _preempt(self, plan: StepPlan, group: SequenceGroup) -> list[bm.Op]:
+        self.num_preemptions += 1
+        group.num_preemptions += 1
+        plan.preempted.add(group.request_id)
+        self.running.remove(group)
+        plan.unschedule(group)
+        live = group.live_seqs
+        if self._use_swap(group):
+            for s in live:
+                s.status = SeqStatus.SWAPPED
+            self.swapped.append(group)
+            self.swapped.sort(key=lambda g: g.arrival_order)
+            return [bm.SwapOut([s.seq_id for s in live])]
+        # An append earlier in this step may have given the victim a block: the
+        # worker drops it (finished) before applying diffs, so build_execute
+        # leaves out every diff of a sequence no longer known to the worker.
+        return self._recompute(group)
+
+    def _recompute(self, group: SequenceGroup) -> list[bm.Op]:
+        """Drop the group's K/V; it is prefilled again (prompt + output so far)."""
+        live = group.live_seqs
+        for s in live:
+            s.status = SeqStatus.WAITING
+            s.num_computed_tokens = 0
+            s.num_blocks = 0
+            if s.known_to_worker:
+                self._pending_drops.append(s.seq_id)
+                s.known_to_worker = False
+        # Back to the queue, ahead of every later arrival.
+        self.waiting.append(group)
+        self.waiting = deque(sorted(self.waiting, key=lambda g: g.arrival_order))
+        return [bm.Free(s.seq_id) for s in live]
+
+    def _use_swap(self, group: SequenceGroup) -> bool:
+        live = group.live_seqs
+        if self.cfg.num_cpu_blocks == 0 or not all(s.known_to_worker for s in live):
+            return False
+        if self.cfg.preemption_mode == "swap":
+            return True
+        if self.cfg.preemption_mode == "auto":
+            # The paper (sec. 7.3): recomputation is never much slower than swapping
+            # at block sizes >= 16, and needs no CPU memory; swapping pays when a
+            # group's sequences share blocks (parallel sampling, beam search), which
+            # recomputation would have to rebuild once per sequence.
+            return len(live) > 1
+        return False
