@@ -3,9 +3,9 @@
 // reading K/V straight from the block pool, with an online softmax in fp32.
 //
 // Same contract as kernels/reference.py::paged_attention_ref. A work item is
-// (sequence, KV head, tile of up to TILE_Q query tokens); it holds every query
-// head of that KV head's group, so each key is loaded once per item and dotted
-// with TILE_Q * group query rows. Items are spread over the OpenMP threads of
+// (sequence, tile of up to TILE_Q query tokens) with every head, so each block
+// of K/V is streamed from memory once per item and each key is dotted with
+// TILE_Q * group query rows. Items are spread over the OpenMP threads of
 // torch's own runtime (the library links the libgomp torch already loaded).
 //
 // Built by kernels/cpu_build.py with g++ -O3 -march=native -fopenmp; no torch
@@ -41,77 +41,207 @@ struct Shape {
   float scale;
 };
 
-template <typename T>
-void run_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len, int q_begin,
-              int q_len, int kv_head, int tile, T* out, const Shape& sh, std::vector<float>& scratch) {
-  const int D = sh.head_dim, G = sh.num_heads / sh.num_kv_heads, BS = sh.block_size;
-  const int q0 = tile * TILE_Q, nq = std::min(TILE_Q, q_len - q0), rows = nq * G;
-  const int64_t tok_stride = static_cast<int64_t>(sh.num_kv_heads) * D;  // between slots of a block
-  scratch.assign(static_cast<size_t>(rows) * (2 * D + 2) + BS, 0.0f);
-  float* qs = scratch.data();                  // [rows, D] scaled queries
-  float* acc = qs + static_cast<size_t>(rows) * D;  // [rows, D] unnormalised output
-  float* m = acc + static_cast<size_t>(rows) * D;   // [rows] running max
-  float* l = m + rows;                         // [rows] running sum of exp
-  float* s = l + rows;                         // [BS] scores of one block
-  // Row r is query token q0 + r / G, head kv_head * G + r % G.
-  for (int r = 0; r < rows; ++r) {
-    const T* src = q + (static_cast<int64_t>(q_begin + q0 + r / G) * sh.num_heads + kv_head * G + r % G) * D;
-    for (int d = 0; d < D; ++d) qs[r * D + d] = load(src + d) * sh.scale;
-    m[r] = -FLT_MAX;
-    l[r] = 0.0f;
-  }
-  const int first_ctx = seq_len - q_len + q0 + 1;  // keys visible to the tile's first token
-  const int last_ctx = first_ctx + nq - 1;
-  for (int kb = 0; kb * BS < last_ctx; ++kb) {
-    const int64_t base = static_cast<int64_t>(table[kb]) * BS * tok_stride + static_cast<int64_t>(kv_head) * D;
-    const T* kblk = k_cache + base;
-    const T* vblk = v_cache + base;
-    const int n = std::min(BS, last_ctx - kb * BS);
-    for (int r = 0; r < rows; ++r) {
-      const int nv = std::min(n, first_ctx + r / G - kb * BS);  // causal: keys <= this token's position
-      if (nv <= 0) continue;
-      const float* qr = qs + r * D;
-      float mx = -FLT_MAX;
-      for (int i = 0; i < nv; ++i) {
-        const T* kr = kblk + i * tok_stride;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; ++d) dot += qr[d] * load(kr + d);
-        s[i] = dot;
-        mx = std::max(mx, dot);
-      }
-      const float m_new = std::max(m[r], mx);
-      const float corr = std::exp(m[r] - m_new);
-      float* ar = acc + r * D;
-      float sum = l[r] * corr;
-#pragma omp simd
-      for (int d = 0; d < D; ++d) ar[d] *= corr;
-      for (int i = 0; i < nv; ++i) {
-        const float p = std::exp(s[i] - m_new);
-        sum += p;
-        const T* vr = vblk + i * tok_stride;
-#pragma omp simd
-        for (int d = 0; d < D; ++d) ar[d] += p * load(vr + d);
-      }
-      l[r] = sum;
-      m[r] = m_new;
-    }
-  }
-  for (int r = 0; r < rows; ++r) {
-    T* dst = out + (static_cast<int64_t>(q_begin + q0 + r / G) * sh.num_heads + kv_head * G + r % G) * D;
-    const float inv = 1.0f / l[r];
-    for (int d = 0; d < D; ++d) store(dst + d, acc[r * D + d] * inv);
-  }
+// exp(x) for x <= 0 (scores minus their running max), vectorisable: 2^(x log2 e)
+// as an integer power of two times a degree-6 polynomial of the fraction.
+// Relative error about 2e-7 (the tests hold the kernel to float64 within 1e-4);
+// a scalar libm call per score cost more than the whole QK^T.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
+// 16 floats: one AVX-512 register, or two AVX2 ones (GCC vector extensions
+// build for whatever -march=native offers).
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+constexpr int LANES = 16;
+
+inline vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf loadv(const uint16_t* p) {  // bfloat16 -> float: shift into the high half
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline float hsum(vf v) {
+  float t = 0.0f;
+  for (int i = 0; i < LANES; ++i) t += v[i];
+  return t;
+}
+
+// First lines of a block the next iteration reads: block tables jump around
+// the pool, where no hardware prefetcher follows; once a block is being read
+// sequentially, the prefetchers take over.
 template <typename T>
+inline void prefetch_start(const T* p, int64_t count) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = std::min<int64_t>(count * static_cast<int64_t>(sizeof(T)), 1024);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// Up to this many query rows accumulate in registers at once.
+constexpr int ROW_CHUNK = 4;
+
+// One work item: a sequence's tile of up to TILE_Q query tokens, every head.
+// Each block of the pool is read once per item, token by token with all KV
+// heads together (they are contiguous in a slot). DT is head_dim when it is a
+// multiple of LANES known at compile time (0: scalar loops over sh.head_dim).
+// Rows are ordered (kv head, token, group member): row r of KV head h is
+// query token t = (r / G) % nq of head h * G + r % G.
+template <typename T, int DT>
+void run_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len, int q_begin,
+              int q_len, int tile, T* out, const Shape& sh, std::vector<float>& scratch) {
+  const int D = DT > 0 ? DT : sh.head_dim;
+  const int H = sh.num_heads, KVH = sh.num_kv_heads, G = H / KVH, BS = sh.block_size;
+  const int q0 = tile * TILE_Q, nq = std::min(TILE_Q, q_len - q0), rows = nq * H, per_kv = nq * G;
+  const int64_t tok_stride = static_cast<int64_t>(KVH) * D;  // between slots of a block
+  scratch.assign(static_cast<size_t>(rows) * (2 * D + 2 + BS), 0.0f);
+  float* qs = scratch.data();                        // [rows, D] scaled queries
+  float* acc = qs + static_cast<size_t>(rows) * D;   // [rows, D] unnormalised output
+  float* m = acc + static_cast<size_t>(rows) * D;    // [rows] running max
+  float* l = m + rows;                               // [rows] running sum of exp
+  float* s = l + rows;                               // [rows, BS] scores, then weights, of one block
+  for (int kvh = 0; kvh < KVH; ++kvh)
+    for (int t = 0; t < nq; ++t)
+      for (int g = 0; g < G; ++g) {
+        const int r = (kvh * nq + t) * G + g;
+        const T* src = q + (static_cast<int64_t>(q_begin + q0 + t) * H + kvh * G + g) * D;
+        for (int d = 0; d < D; ++d) qs[r * D + d] = load(src + d) * sh.scale;
+        m[r] = -FLT_MAX;
+      }
+  const int first_ctx = seq_len - q_len + q0 + 1;  // keys visible to the tile's first token
+  const int last_ctx = first_ctx + nq - 1;
+  const int num_blocks = (last_ctx + BS - 1) / BS;
+  const int64_t block_elems = static_cast<int64_t>(BS) * tok_stride;
+  for (int kb = 0; kb < num_blocks; ++kb) {
+    const T* kblk = k_cache + table[kb] * block_elems;
+    const T* vblk = v_cache + table[kb] * block_elems;
+    const int n = std::min(BS, last_ctx - kb * BS);
+    if (kb + 1 < num_blocks) {
+      const int64_t next = std::min(BS, last_ctx - (kb + 1) * BS) * tok_stride;
+      prefetch_start(k_cache + table[kb + 1] * block_elems, next);
+      prefetch_start(v_cache + table[kb + 1] * block_elems, next);
+    }
+    // Scores. Key i is visible to token t when kb * BS + i < first_ctx + t (causal).
+    for (int i = 0; i < n; ++i) {
+      const int t_min = std::max(0, kb * BS + i - first_ctx + 1);
+      for (int kvh = 0; kvh < KVH; ++kvh) {
+        const T* kr = kblk + i * tok_stride + kvh * D;
+        for (int rr = t_min * G; rr < per_kv; ++rr) {
+          const int r = kvh * per_kv + rr;
+          const float* qr = qs + r * D;
+          float dot;
+          if constexpr (DT > 0) {
+            vf a = loadv(qr) * loadv(kr);
+            for (int d = LANES; d < DT; d += LANES) a += loadv(qr + d) * loadv(kr + d);
+            dot = hsum(a);
+          } else {
+            dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < D; ++d) dot += qr[d] * load(kr + d);
+          }
+          s[r * BS + i] = dot;
+        }
+      }
+    }
+    // Online softmax: rescale what was accumulated, turn scores into weights.
+    for (int r = 0; r < rows; ++r) {
+      const int t = (r / G) % nq;
+      const int nv = std::min(n, first_ctx + t - kb * BS);
+      float* sr = s + r * BS;
+      if (nv <= 0) {
+        std::fill(sr, sr + n, 0.0f);
+        continue;
+      }
+      float mx = m[r];
+      for (int i = 0; i < nv; ++i) mx = std::max(mx, sr[i]);
+      const float corr = exp_nonpositive(m[r] - mx);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int i = 0; i < nv; ++i) {
+        sr[i] = exp_nonpositive(sr[i] - mx);
+        sum += sr[i];
+      }
+      std::fill(sr + nv, sr + n, 0.0f);
+      l[r] = l[r] * corr + sum;
+      m[r] = mx;
+      float* ar = acc + r * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) ar[d] *= corr;
+    }
+    // Weighted values, a chunk of rows of one KV head at a time kept in
+    // registers, each value row loaded once per chunk. Weights of keys a row
+    // must not see are 0.
+    for (int kvh = 0; kvh < KVH; ++kvh)
+      for (int c0 = 0; c0 < per_kv; c0 += ROW_CHUNK) {
+        const int nc = std::min(ROW_CHUNK, per_kv - c0), r0 = kvh * per_kv + c0;
+        if constexpr (DT > 0) {
+          constexpr int NV = DT / LANES;
+          vf a[ROW_CHUNK][NV];
+          for (int c = 0; c < nc; ++c)
+            for (int j = 0; j < NV; ++j) a[c][j] = loadv(acc + (r0 + c) * D + j * LANES);
+          for (int i = 0; i < n; ++i) {
+            const T* vr = vblk + i * tok_stride + kvh * D;
+            vf v[NV];
+            for (int j = 0; j < NV; ++j) v[j] = loadv(vr + j * LANES);
+            for (int c = 0; c < nc; ++c) {
+              const float p = s[(r0 + c) * BS + i];
+              for (int j = 0; j < NV; ++j) a[c][j] += p * v[j];
+            }
+          }
+          for (int c = 0; c < nc; ++c)
+            for (int j = 0; j < NV; ++j) storev(acc + (r0 + c) * D + j * LANES, a[c][j]);
+        } else {
+          for (int i = 0; i < n; ++i) {
+            const T* vr = vblk + i * tok_stride + kvh * D;
+            for (int c = 0; c < nc; ++c) {
+              const float p = s[(r0 + c) * BS + i];
+              float* ar = acc + (r0 + c) * D;
+#pragma omp simd
+              for (int d = 0; d < D; ++d) ar[d] += p * load(vr + d);
+            }
+          }
+        }
+      }
+  }
+  for (int kvh = 0; kvh < KVH; ++kvh)
+    for (int t = 0; t < nq; ++t)
+      for (int g = 0; g < G; ++g) {
+        const int r = (kvh * nq + t) * G + g;
+        T* dst = out + (static_cast<int64_t>(q_begin + q0 + t) * H + kvh * G + g) * D;
+        const float inv = 1.0f / l[r];
+        for (int d = 0; d < D; ++d) store(dst + d, acc[r * D + d] * inv);
+      }
+}
+
+template <typename T, int DT>
 void paged_attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                      const int32_t* seq_lens, const int32_t* query_start_loc, T* out, int num_seqs, const Shape& sh) {
-  // Item index -> (seq, kv head, tile): prefix sums of tiles per sequence.
+  // Item index -> (seq, tile): prefix sums of tiles per sequence.
   std::vector<int64_t> first(num_seqs + 1, 0);
   for (int i = 0; i < num_seqs; ++i) {
     const int q_len = query_start_loc[i + 1] - query_start_loc[i];
-    first[i + 1] = first[i] + static_cast<int64_t>((q_len + TILE_Q - 1) / TILE_Q) * sh.num_kv_heads;
+    first[i + 1] = first[i] + (q_len + TILE_Q - 1) / TILE_Q;
   }
   const int64_t total = first[num_seqs];
 #pragma omp parallel
@@ -120,12 +250,21 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, const int32
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < total; ++w) {
       const int seq = static_cast<int>(std::upper_bound(first.begin(), first.end(), w) - first.begin()) - 1;
-      const int64_t local = w - first[seq];
-      const int kv_head = static_cast<int>(local % sh.num_kv_heads), tile = static_cast<int>(local / sh.num_kv_heads);
+      const int tile = static_cast<int>(w - first[seq]);
       const int q_begin = query_start_loc[seq], q_len = query_start_loc[seq + 1] - q_begin;
-      run_item(q, k_cache, v_cache, block_tables + static_cast<int64_t>(seq) * sh.table_stride, seq_lens[seq],
-               q_begin, q_len, kv_head, tile, out, sh, scratch);
+      run_item<T, DT>(q, k_cache, v_cache, block_tables + static_cast<int64_t>(seq) * sh.table_stride, seq_lens[seq],
+                      q_begin, q_len, tile, out, sh, scratch);
     }
+  }
+}
+
+template <typename T>
+void dispatch(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
+              const int32_t* query_start_loc, T* out, int num_seqs, const Shape& sh) {
+  switch (sh.head_dim) {  // the common sizes get fully unrolled dot products
+    case 64: return paged_attention<T, 64>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, num_seqs, sh);
+    case 128: return paged_attention<T, 128>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, num_seqs, sh);
+    default: return paged_attention<T, 0>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, num_seqs, sh);
   }
 }
 
@@ -141,11 +280,11 @@ int pagedserve_paged_attention(int dtype, const void* q, const void* k_cache, co
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) return 1;
   const Shape sh{num_heads, num_kv_heads, head_dim, block_size, table_stride, scale};
   if (dtype == 0) {
-    paged_attention(static_cast<const float*>(q), static_cast<const float*>(k_cache),
+    dispatch(static_cast<const float*>(q), static_cast<const float*>(k_cache),
                     static_cast<const float*>(v_cache), block_tables, seq_lens, query_start_loc,
                     static_cast<float*>(out), num_seqs, sh);
   } else if (dtype == 1) {
-    paged_attention(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
+    dispatch(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
                     static_cast<const uint16_t*>(v_cache), block_tables, seq_lens, query_start_loc,
                     static_cast<uint16_t*>(out), num_seqs, sh);
   } else {
