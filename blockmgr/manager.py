@@ -119,7 +119,7 @@ class BlockManager(SwapOps):
                 if blocked:
                     results.append(SeqResult(op.seq_id, _NO_ROOM))
                     continue
-                r = self.allocate(op.seq_id, op.token_ids, op.num_new_tokens, op.cache_salt)
+                r = self.allocate(op.seq_id, op.token_ids, op.num_new_tokens, op.cache_salt, op.skip_prefix_lookup)
                 results.append(r)
                 blocked = r.status is _NO_ROOM
             elif type(op) is Fork:
@@ -172,11 +172,14 @@ class BlockManager(SwapOps):
         return s
 
     def _plan_allocate(
-        self, seq_id: int, token_ids: list[int], num_new_tokens: int, cache_salt: str | None
+        self, seq_id: int, token_ids: list[int], num_new_tokens: int, cache_salt: str | None,
+        skip_lookup: bool = False,
     ) -> tuple[list[Block], bytes, int, int, int, int]:
         if not token_ids or num_new_tokens < 0:
             raise BlockManagerError(f"seq_id {seq_id}: empty prompt or negative num_new_tokens")
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and skip_lookup:
+            hits, key, queried = [], root_key(cache_salt), 0
+        elif self.enable_prefix_caching:
             hits, key, queried = lookup_prefix(self.gpu.cached, token_ids, root_key(cache_salt), self.block_size)
         else:
             hits, key, queried = [], b"", 0
@@ -192,12 +195,13 @@ class BlockManager(SwapOps):
         return self.gpu.num_free - need >= self.watermark_blocks
 
     def allocate(
-        self, seq_id: int, token_ids: list[int], num_new_tokens: int, cache_salt: str | None = None
+        self, seq_id: int, token_ids: list[int], num_new_tokens: int, cache_salt: str | None = None,
+        skip_prefix_lookup: bool = False,
     ) -> SeqResult:
         if seq_id in self.seqs:
             raise BlockManagerError(f"seq_id {seq_id} already has a block table")
         hits, key, queried, num_cached, num_sched, need = self._plan_allocate(
-            seq_id, token_ids, num_new_tokens, cache_salt
+            seq_id, token_ids, num_new_tokens, cache_salt, skip_prefix_lookup
         )
         gpu = self.gpu
         if gpu.num_free - need < self.watermark_blocks:

@@ -26,6 +26,7 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from pagedserve.common import curve
+from pagedserve.common.messages.types import RefusalKind
 from pagedserve.common.rundir import ensure_private_dir
 
 T = TypeVar("T")
@@ -59,13 +60,13 @@ class Interrupted(InterruptedError):
 class BadFrame(ValueError):
     """A frame that does not decode as the socket's message union."""
 
-    kind = "bad_frame"
+    kind = RefusalKind.BAD_FRAME
 
 
 class WrongPeer(BadFrame):
     """A well-formed request from a peer that does not own the session."""
 
-    kind = "wrong_peer"
+    kind = RefusalKind.WRONG_PEER
 
 
 _dropped: dict[str, int] = {}

@@ -17,15 +17,16 @@ def die_with_parent() -> None:
 
 class StopFlag:
     """Set by SIGTERM or SIGINT; service loops poll it and then clean up
-    (close sockets, remove ipc files) instead of dying mid-reply."""
+    (close sockets, remove ipc files) instead of dying mid-reply. ``count``:
+    how many signals came (``serve`` hurries its drain on the second)."""
 
     def __init__(self) -> None:
-        self._set = False
+        self.count = 0
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._set = True
+        self.count += 1
 
     def __bool__(self) -> bool:
-        return self._set
+        return self.count > 0

@@ -136,22 +136,22 @@ class FrontendMetrics:
         reg.register(_Callback(engine))
 
 
-def serve_scheduler_metrics(port: int | None, core: Any, host: str = "127.0.0.1") -> Any:
-    """The scheduler's own counts, read at scrape time (plain ints and list
-    lengths, safe to read from the metrics thread)."""
+def serve_scheduler_metrics(port: int | None, counts: Callable[[], Any], host: str = "127.0.0.1") -> Any:
+    """The scheduler's own counts: ``counts()`` returns the immutable snapshot
+    the step loop published last (EngineCore.counts), never live state."""
     if port is None:
         return None
     reg = new_registry()
 
     def collect() -> Iterator[Metric]:
-        sch = core.scheduler
-        yield _gauge("num_requests_running", "Requests in the running batch.", len(sch.running))
-        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", len(sch.waiting))
-        yield _gauge("num_requests_swapped", "Requests swapped out to CPU memory.", len(sch.swapped))
-        yield _counter("num_preemptions", "Preemptions (recompute or swap) since start.", sch.num_preemptions)
-        yield _counter("num_steps", "Engine steps since start.", sch.num_steps)
-        if sch.block_stats is not None:
-            yield from block_stats_metrics(sch.block_stats)
+        c = counts()
+        yield _gauge("num_requests_running", "Requests in the running batch.", c.num_running)
+        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", c.num_waiting)
+        yield _gauge("num_requests_swapped", "Requests swapped out to CPU memory.", c.num_swapped)
+        yield _counter("num_preemptions", "Preemptions (recompute or swap) since start.", c.num_preemptions)
+        yield _counter("num_steps", "Engine steps since start.", c.num_steps)
+        if c.block_stats is not None:
+            yield from block_stats_metrics(c.block_stats)
 
     reg.register(_Callback(collect))
     return serve_metrics(port, reg, host)

@@ -22,6 +22,7 @@ from typing import Any
 
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.metrics import FrontendMetrics
+from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.engine_client import EngineClient, EngineUnavailable, Item
 from pagedserve.frontend.outputs import Chunk, Logprob, OutputState, merge_into
 from pagedserve.frontend.prompt_bound import max_chars_per_token
@@ -85,6 +86,32 @@ class PreparedRequest:
     cache_salt: str | None
 
 
+class Admission:
+    """Admission control's counts, with one owner: requests admitted without a
+    first token yet (bounded by max_queued_requests) and open streams per API
+    key (max_concurrent_per_key). A ``RequestStream`` enters once and leaves once."""
+
+    def __init__(self) -> None:
+        self.num_queued = 0
+        self.per_key: dict[str, int] = {}
+
+    def enter(self, key_id: str | None) -> None:
+        self.num_queued += 1
+        if key_id is not None:
+            self.per_key[key_id] = self.per_key.get(key_id, 0) + 1
+
+    def leave_queue(self) -> None:
+        self.num_queued -= 1
+
+    def leave(self, key_id: str | None) -> None:
+        if key_id is not None:
+            left = self.per_key[key_id] - 1
+            if left:
+                self.per_key[key_id] = left
+            else:
+                del self.per_key[key_id]
+
+
 class GenerationService:
     def __init__(self, engine: EngineClient, tokenizer: Any, cfg: FrontendConfig,
                  metrics: FrontendMetrics | None = None) -> None:
@@ -92,8 +119,7 @@ class GenerationService:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.metrics = metrics
-        self.num_queued = 0
-        self._per_key: dict[str, int] = {}
+        self.admission = Admission()
         # Tokenizing a 1 MB prompt takes ~1 s; off the event loop (HF fast
         # tokenizers release the GIL) other streams keep flowing. Big texts get
         # a thread of their own so they do not hold up small requests; both
@@ -169,10 +195,10 @@ class GenerationService:
             ids = self.tokenize(request.prompt, add_special_tokens, limits.max_model_len, "prompt")
             check_prompt_ids(ids, limits, "prompt")
         elif which == "messages":
-            if not getattr(self.tokenizer, "chat_template", None):
+            if not has_chat_template(self.tokenizer):
                 raise ValidationError("messages", "this model has no chat template; send a prompt")
             conv = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            text = str(self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True))
+            text = render_chat(self.tokenizer, conv)
             self._check_chars(text, limits, "messages")
             # The template already wrote the special tokens it wants.
             ids = self.tokenize(text, False, limits.max_model_len, "messages")
@@ -181,13 +207,9 @@ class GenerationService:
             ids = list(request.prompt_token_ids.ids)
             check_prompt_ids(ids, limits, "prompt_token_ids")
         prep = sampling_params(request.sampling_params, len(ids), limits)
-        rid = request.request_id or uuid.uuid4().hex
-        salt = request.cache_salt or None
-        if prep.params.prompt_logprobs is not None:
-            # Prompt logprobs need every prompt position computed: a salt of its
-            # own keeps prefix-cache hits from skipping any.
-            salt = f"{salt or ''}:prompt-logprobs:{rid}:{uuid.uuid4().hex}"
-        return PreparedRequest(rid, ids, prep, salt)
+        # Prompt logprobs need every prompt position computed: the scheduler asks
+        # the blockmgr to skip the prefix lookup for them (Allocate.skip_prefix_lookup).
+        return PreparedRequest(request.request_id or uuid.uuid4().hex, ids, prep, request.cache_salt or None)
 
     def reject(self, reason: str, message: str) -> Rejected:
         if self.metrics:
@@ -198,11 +220,11 @@ class GenerationService:
         """Admit and submit; raises ``Rejected``."""
         if not self.engine.healthy:
             raise self.reject("unavailable", "the engine is unavailable")
-        if self.num_queued >= self.cfg.max_queued_requests:
-            raise self.reject("queue_full", f"server busy: {self.num_queued} requests queued "
+        if self.admission.num_queued >= self.cfg.max_queued_requests:
+            raise self.reject("queue_full", f"server busy: {self.admission.num_queued} requests queued "
                                             f"(max_queued_requests={self.cfg.max_queued_requests})")
-        if key_id is not None and self._per_key.get(key_id, 0) >= self.cfg.max_concurrent_per_key:
-            raise self.reject("key_concurrency", f"this API key already has {self._per_key[key_id]} requests in "
+        if key_id is not None and self.admission.per_key.get(key_id, 0) >= self.cfg.max_concurrent_per_key:
+            raise self.reject("key_concurrency", f"this API key already has {self.admission.per_key[key_id]} requests in "
                                                  f"flight (max_concurrent_per_key={self.cfg.max_concurrent_per_key})")
         stream = RequestStream(self, req, key_id)
         stream.admit()  # before the await: concurrent opens must see this one
@@ -216,21 +238,9 @@ class GenerationService:
             raise
         return stream
 
-    def _enter(self, key_id: str | None) -> None:
-        self.num_queued += 1
-        if key_id is not None:
-            self._per_key[key_id] = self._per_key.get(key_id, 0) + 1
-
-    def _leave_queue(self) -> None:
-        self.num_queued -= 1
-
-    def _leave(self, key_id: str | None) -> None:
-        if key_id is not None:
-            left = self._per_key[key_id] - 1
-            if left:
-                self._per_key[key_id] = left
-            else:
-                del self._per_key[key_id]
+    @property
+    def num_queued(self) -> int:
+        return self.admission.num_queued
 
 
 class RequestStream:
@@ -261,18 +271,18 @@ class RequestStream:
 
     def admit(self) -> None:
         self._admitted = self._queued = True
-        self.svc._enter(self.key_id)
+        self.svc.admission.enter(self.key_id)
 
     def unadmit(self) -> None:
         """Undo ``admit`` for a request the engine never got."""
         self._admitted = False
         self._dequeue()
-        self.svc._leave(self.key_id)
+        self.svc.admission.leave(self.key_id)
 
     def _dequeue(self) -> None:
         if self._queued:
             self._queued = False
-            self.svc._leave_queue()
+            self.svc.admission.leave_queue()
 
     @property
     def num_completion_tokens(self) -> int:
@@ -342,7 +352,7 @@ class RequestStream:
             return
         self._admitted = False
         self._dequeue()
-        self.svc._leave(self.key_id)
+        self.svc.admission.leave(self.key_id)
         # Outputs ended by a stop string are finished for the client, not for the engine.
         engine_busy = not self.done or any(o.stopped_by_string for o in self.outputs.values())
         if not self.done and self.svc.metrics:

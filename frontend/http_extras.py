@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.http_fields import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
 from pagedserve.frontend.validation import MAX_CHAT_MESSAGES, ValidationError, check_text, check_token_ids
@@ -48,10 +49,10 @@ async def tokenize(gw: "Gateway", request: web.Request) -> web.Response:
         if body.get("prompt") is not None:
             raise ApiError(400, "prompt: give either prompt or messages", param="prompt")
         tok = svc.tokenizer
-        if not getattr(tok, "chat_template", None):
+        if not has_chat_template(tok):
             raise ApiError(400, "messages: this model has no chat template", param="messages")
-        text = str(tok.apply_chat_template(_conversation(body["messages"]), tokenize=False,
-                                           add_generation_prompt=_bool(body, "add_generation_prompt", True)))
+        text = render_chat(tok, _conversation(body["messages"]),
+                           add_generation_prompt=_bool(body, "add_generation_prompt", True))
         add_special = _bool(body, "add_special_tokens", False)  # the template wrote them
         field = "messages"
     else:

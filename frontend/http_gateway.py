@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedserve.frontend import openai_structured, openai_tools
+from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.auth import ApiKeys
 from pagedserve.frontend.engine_client import DuplicateRequestId
 from pagedserve.frontend import http_batch, http_extras
@@ -243,9 +244,9 @@ class Gateway:
         except ValidationError as e:
             raise ApiError(400, str(e), param=e.field) from None
         tok = self.svc.tokenizer
-        if not getattr(tok, "chat_template", None):
+        if not has_chat_template(tok):
             raise ApiError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
-        req = pb.GenerateRequest(prompt=chat_prompt(tok, conv, tools))
+        req = pb.GenerateRequest(prompt=render_chat(tok, conv, tools))
         self._sampling(body, req, None)
         if tool_mode is not None:
             try:
@@ -338,12 +339,6 @@ class _Ctx:
 def _usage(stream: RequestStream) -> dict[str, int]:
     p, c = len(stream.req.prompt_ids), stream.num_completion_tokens
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-    """The templated prompt text, as a gRPC client would send it (tools and
-    tool calls: ``openai_tools.render_chat``)."""
-    return openai_tools.render_chat(tokenizer, messages, tools)
 
 
 async def start(gateway: Gateway, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> web.AppRunner:

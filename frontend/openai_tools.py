@@ -158,32 +158,6 @@ def _calls(calls: Any) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(tokenizer: Any, conv: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-    """The templated prompt text (tools and tool calls included)."""
-    template = str(getattr(tokenizer, "chat_template", "") or "")
-    has_calls = any("tool_calls" in m for m in conv)
-    if "tool_calls" in template or not (tools or has_calls):
-        kw: dict[str, Any] = {"tools": tools} if tools else {}
-        return str(tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **kw))
-    plain = [_plain(m) for m in conv]
-    if tools:
-        listing = "\n".join(json.dumps(t["function"]) for t in tools)
-        text = f"You may call these functions:\n<tools>\n{listing}\n</tools>"
-        if plain[0]["role"] == "system":
-            plain[0] = {"role": "system", "content": plain[0]["content"] + "\n\n" + text}
-        else:
-            plain.insert(0, {"role": "system", "content": text})
-    return str(tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True))
-
-
-def _plain(m: dict[str, Any]) -> dict[str, str]:
-    content = m["content"]
-    for c in m.get("tool_calls", []):
-        call = json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
-        content += ("\n" if content else "") + f"<tool_call>\n{call}\n</tool_call>"
-    return {"role": m["role"], "content": content}
-
-
 # ------------------------------------------------------------------ answers
 def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
     """The calls an output spells, or None when it is not complete JSON."""

@@ -8,7 +8,6 @@ launcher (the engine must outlive the drain), and die with it (PR_SET_PDEATHSIG)
 orphaned even if the launcher is killed."""
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import shutil
@@ -17,38 +16,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from types import FrameType
 from typing import Any, Callable
 
 from pagedserve.common.config import default_addresses, engine_argv
 from pagedserve.common.default_model import resolve_model
+from pagedserve.common.env import env as read_env
 from pagedserve.common.hub_cache import ModelNotFound
+from pagedserve.common.lifecycle import StopFlag, die_with_parent
 from pagedserve.serve_args import ServeArgs, parse_serve_args
 
 COMPONENTS = ("blockmgr", "gpuworker", "scheduler", "frontend")
-
-
-class StopSignals:
-    """Counts SIGTERM/SIGINT: the first stops (draining), a second hurries the drain."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.count += 1
-
-    def __bool__(self) -> bool:
-        return self.count > 0
-
-
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _health_channel(addr: str) -> Any:  # a grpc.Channel (grpc is imported lazily)
@@ -56,10 +33,10 @@ def _health_channel(addr: str) -> Any:  # a grpc.Channel (grpc is imported lazil
     which it reads too); the certificate itself, or PAGEDSERVE_TLS_CA, is the root."""
     import grpc
 
-    cert = os.environ.get("PAGEDSERVE_TLS_CERT")
+    cert = read_env("TLS_CERT")
     if not cert:
         return grpc.insecure_channel(addr)
-    with open(os.environ.get("PAGEDSERVE_TLS_CA") or cert, "rb") as f:
+    with open(read_env("TLS_CA") or cert, "rb") as f:
         return grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=f.read()))
 
 
@@ -111,14 +88,14 @@ def main(argv: list[str]) -> int:
     # The key travels in the frontend's environment: a command line is world-readable in ps.
     fe_env = dict(env, **({"PAGEDSERVE_API_KEY": sa.api_key} if sa.api_key else {}))
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    stopping = StopSignals()
+    stopping = StopFlag()  # the first signal drains, a second hurries the drain
 
     def start(name: str) -> subprocess.Popen[bytes]:
         extra = _frontend_args(sa) if name == "frontend" else []
         # start_new_session: a terminal's Ctrl-C goes to its foreground process group; the
         # children must not get it, or the engine would stop under the frontend's drain.
         return subprocess.Popen([sys.executable, "-m", "pagedserve", name, *common, *extra],
-                                env=fe_env if name == "frontend" else env, preexec_fn=_die_with_parent,
+                                env=fe_env if name == "frontend" else env, preexec_fn=die_with_parent,
                                 start_new_session=True)
 
     try:
@@ -132,7 +109,7 @@ def main(argv: list[str]) -> int:
             dead = [n for n, pr in procs.items() if pr.poll() is not None]
             print(f"pagedserve: failed to start ({', '.join(dead) or 'timeout'})", file=sys.stderr)
             return 1
-        scheme = "https" if os.environ.get("PAGEDSERVE_TLS_CERT") else "http"
+        scheme = "https" if read_env("TLS_CERT") else "http"
         print(f"pagedserve: serving {sa.served_model_names[0]}: OpenAI API at {scheme}://{sa.host}:{sa.http_port}/v1, "
               f"gRPC on {addr} (pids {', '.join(f'{n}={pr.pid}' for n, pr in procs.items())})", flush=True)
         supervise(procs, start, lambda: bool(stopping))

@@ -196,7 +196,8 @@ class Scheduler(Preemption, Results):
                     k = min(len(tokens), budget)
                     budget -= k
                     need += cdiv(k, bs)
-                    allocs.append(bm.Allocate(seq.seq_id, list(tokens), k, group.cache_salt))
+                    allocs.append(bm.Allocate(seq.seq_id, list(tokens), k, group.cache_salt,
+                                              skip_prefix_lookup=group.params.prompt_logprobs is not None))
                 # The queue's head is always tried (its prefix may be cached); later
                 # groups only while the estimate says they may fit.
                 if room is not None and plan.admitted and need > room:

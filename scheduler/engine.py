@@ -16,6 +16,7 @@ from pagedserve.common.config import EngineConfig
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages import worker as wk
+from pagedserve.common.messages.types import RefusalKind
 from pagedserve.scheduler.core import Scheduler, SchedulerConfig
 from pagedserve.scheduler.recovery import requeue_all
 
@@ -97,6 +98,19 @@ class IpcClient:
         self._client.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class SchedulerCounts:
+    """What the scheduler's metrics show, published by the step loop after each
+    step and message (the metrics thread reads this, never the scheduler)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    block_stats: bm.BlockStats | None = None
+
+
 class EngineCore:
     def __init__(self, cfg: EngineConfig, blockmgr: BlockClient, worker: WorkerClient,
                  init_timeout_s: float | None = None) -> None:
@@ -106,6 +120,7 @@ class EngineCore:
         self.last_step_s = 0.0  # wall time of the last worker call
         self.recovering = False  # between losing a component and both answering again
         self.num_recoveries = 0
+        self.counts = SchedulerCounts()
         ready = self._worker_call(wk.InitWorker(), init_timeout_s)
         assert isinstance(ready, wk.WorkerReady)
         # A worker that outlived a previous scheduler still holds its sequences.
@@ -127,13 +142,13 @@ class EngineCore:
     def _worker_call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply:
         rep = self.worker.call(req, timeout_s)
         if isinstance(rep, wk.WorkerError):
-            raise (PeerRefused if rep.kind == "wrong_peer" else ComponentError)(f"gpuworker: {rep.message}")
+            raise (PeerRefused if rep.kind is RefusalKind.WRONG_PEER else ComponentError)(f"gpuworker: {rep.message}")
         return rep
 
     def _block_call(self, req: bm.Request, timeout_s: float | None = None) -> bm.Reply:
         rep = self.blockmgr.call(req, timeout_s)
         if isinstance(rep, bm.ErrorReply):
-            raise (PeerRefused if rep.kind == "wrong_peer" else ComponentError)(f"blockmgr: {rep.message}")
+            raise (PeerRefused if rep.kind is RefusalKind.WRONG_PEER else ComponentError)(f"blockmgr: {rep.message}")
         return rep
 
     def info(self, query_id: int) -> fe.EngineInfo:
@@ -193,9 +208,20 @@ class EngineCore:
                                        RECOVERY_ATTEMPT_S))
         self.recovering = False
         self.num_recoveries += 1
+        self._publish()
         return n
 
+    def _publish(self) -> None:
+        sch = self.scheduler
+        self.counts = SchedulerCounts(len(sch.running), len(sch.waiting), len(sch.swapped), sch.num_preemptions,
+                                      sch.num_steps, sch.block_stats)
+
     def handle(self, msg: fe.Request) -> fe.Reply | None:
+        reply = self._handle(msg)
+        self._publish()
+        return reply
+
+    def _handle(self, msg: fe.Request) -> fe.Reply | None:
         if isinstance(msg, fe.AddRequest):
             self.scheduler.add_request(msg)
         elif isinstance(msg, fe.AbortRequest):
@@ -212,6 +238,12 @@ class EngineCore:
     def step(self) -> list[fe.TokenDelta]:
         """One step as typed messages, each reply paired with its request
         (docs/architecture.md, "One engine step"); the plan is this call's."""
+        try:
+            return self._step()
+        finally:
+            self._publish()
+
+    def _step(self) -> list[fe.TokenDelta]:
         sch = self.scheduler
         plan = sch.schedule()
         if plan is None:

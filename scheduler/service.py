@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
             return 1
         log.info("ready: %d GPU blocks of %d tokens, %d CPU blocks", core.ready.num_gpu_blocks,
                  core.ready.block_size, core.ready.num_cpu_blocks)
-        serve_scheduler_metrics(args.metrics_port, core, args.metrics_host)
+        serve_scheduler_metrics(args.metrics_port, lambda: core.counts, args.metrics_host)
 
         def drain() -> None:
             if link.lost():

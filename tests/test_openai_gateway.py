@@ -15,7 +15,7 @@ import pytest
 
 from e2e_util import Server, free_port, serve
 from models import make_tiny_model
-from pagedserve.frontend.http_gateway import chat_prompt
+from pagedserve.frontend.chat_template import render_chat
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "You are terse."},
@@ -92,7 +92,7 @@ def test_chat_equals_grpc_on_the_templated_prompt(gw: tuple[Server, str], client
                                                   model_dir: str) -> None:
     from transformers import AutoTokenizer
 
-    templated = chat_prompt(AutoTokenizer.from_pretrained(model_dir), MESSAGES)
+    templated = render_chat(AutoTokenizer.from_pretrained(model_dir), MESSAGES)
     assert templated.endswith("<|im_start|>assistant\n")
     with gw[0].client() as c:
         ids, text, reason = c.generate(templated, max_tokens=10, temperature=0.0)

@@ -19,6 +19,7 @@ import enum
 import msgspec
 
 from pagedserve.common.blocks import kv_usage
+from pagedserve.common.messages.types import ComponentRefusal
 
 
 class Allocate(msgspec.Struct, tag=1, array_like=True):
@@ -31,6 +32,9 @@ class Allocate(msgspec.Struct, tag=1, array_like=True):
     token_ids: list[int]
     num_new_tokens: int
     cache_salt: str | None = None
+    # Compute every prompt position (prompt logprobs need them all): no lookup.
+    # The blocks it fills are still cached for later requests (as vLLM does).
+    skip_prefix_lookup: bool = False
 
 
 class Append(msgspec.Struct, tag=2, array_like=True):
@@ -165,9 +169,8 @@ class StepReply(msgspec.Struct, tag=21, array_like=True):
     stats: BlockStats
 
 
-class ErrorReply(msgspec.Struct, tag=22, array_like=True):
-    message: str
-    kind: str = "error"  # "bad_frame" (did not decode) / "wrong_peer": refused, nothing changed
+class ErrorReply(ComponentRefusal, tag=22):
+    pass
 
 
 class Ack(msgspec.Struct, tag=23, array_like=True):

@@ -1,6 +1,8 @@
 """Value types that travel on more than one channel."""
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 
@@ -55,3 +57,18 @@ class ModelInfo(msgspec.Struct, frozen=True, array_like=True):
     head_dim: int
     dtype: str
     device: str
+
+
+class RefusalKind(str, enum.Enum):
+    """Why a component answered an error instead of a reply."""
+
+    ERROR = "error"  # the request failed
+    BAD_FRAME = "bad_frame"  # it did not decode; nothing changed
+    WRONG_PEER = "wrong_peer"  # the component serves another scheduler; nothing changed
+
+
+class ComponentRefusal(msgspec.Struct, array_like=True):
+    """The error reply of the blockmgr and the gpuworker (each channel tags its own subclass)."""
+
+    message: str
+    kind: RefusalKind = RefusalKind.ERROR

@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from pagedserve.common.blocks import usable_gpu_blocks
-from pagedserve.common.messages.types import ModelInfo, SamplingParams
+from pagedserve.common.messages.types import ComponentRefusal, ModelInfo, SamplingParams
 
 
 class NewSeq(msgspec.Struct, array_like=True):
@@ -105,9 +105,8 @@ class WorkerReady(msgspec.Struct, tag=41, array_like=True):
         return usable_gpu_blocks(self.num_gpu_blocks)
 
 
-class WorkerError(msgspec.Struct, tag=42, array_like=True):
-    message: str
-    kind: str = "error"  # "bad_frame" (did not decode) / "wrong_peer": refused, nothing changed
+class WorkerError(ComponentRefusal, tag=42):
+    pass
 
 
 class WorkerAck(msgspec.Struct, tag=43, array_like=True):

@@ -29,6 +29,8 @@ from collections.abc import Callable
 
 import torch
 
+from pagedserve.common.blocks import cdiv
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -95,7 +97,7 @@ def _build(batch: int, lens: list[int], args: argparse.Namespace, device: str, g
     contiguous as [batch, kv_heads, len, head_dim] for SDPA."""
     dtype, kv, d, bs = DTYPES[args.dtype], args.num_kv_heads, args.head_dim, args.block_size
     max_len = max(lens)
-    per_seq = -(-max_len // bs)
+    per_seq = cdiv(max_len, bs)
     num_blocks = batch * per_seq
     perm = torch.randperm(num_blocks, generator=gen).to(device)
     block_tables = perm.view(batch, per_seq).to(torch.int32)
@@ -169,7 +171,7 @@ def _fits(batch: int, length: int, args, device: str) -> bool:
     if device == "cpu":
         return True
     elt = torch.finfo(DTYPES[args.dtype]).bits // 8
-    kv_bytes = 2 * batch * (-(-length // args.block_size) * args.block_size) * args.num_kv_heads * args.head_dim * elt
+    kv_bytes = 2 * batch * (cdiv(length, args.block_size) * args.block_size) * args.num_kv_heads * args.head_dim * elt
     free, _ = torch.cuda.mem_get_info()
     return 4 * kv_bytes < 0.8 * free  # pool, contiguous copy, a transient, the copy target
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pagedserve.bench.serve_proc import ServeProc, start_serve
+from pagedserve.common.blocks import cdiv
 
 # One workload: (prompt token ids, output length) per request.
 Work = list[tuple[list[int], int]]
@@ -127,7 +128,7 @@ class HFEngine:
             # preemption); its default, 60 % of host memory, takes tens of seconds
             # to set up on CPU and crowds out the other engines.
             page = ContinuousBatchingConfig().page_size
-            blocks = max(sum(-(-(len(p) + o) // page) for p, o in w) for w in works) + 2
+            blocks = max(sum(cdiv(len(p) + o, page) for p, o in w) for w in works) + 2
             self.manager = self.model.init_continuous_batching(
                 generation_config=self.gen_config, workload_hints=self.hints,
                 continuous_batching_config=ContinuousBatchingConfig(num_blocks=blocks))
