@@ -6,6 +6,7 @@
 #   scripts/build-image.sh                      # pagedserve:latest (CPU torch)
 #   scripts/build-image.sh --bake-model         # + the converted SmolLM2 inside
 #   scripts/build-image.sh --variant cuda       # CUDA torch (needs a CUDA torch wheel in reach)
+#   scripts/build-image.sh --git-ref HEAD       # build a commit (git archive), not the working tree
 #
 # Environment: PAGEDSERVE_IMAGE (default pagedserve:latest), PAGEDSERVE_BASE_IMAGE
 # (default localhost/pagedserve-base:bookworm), DEBIAN_SUITE (bookworm: its
@@ -22,11 +23,13 @@ PODMAN="${PODMAN:-podman}"
 VARIANT=cpu
 BAKE=0
 REBUILD_BASE=0
+GIT_REF="${PAGEDSERVE_BUILD_REF:-}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --variant) VARIANT="$2"; shift 2 ;;
     --bake-model) BAKE=1; shift ;;
     --rebuild-base) REBUILD_BASE=1; shift ;;
+    --git-ref) GIT_REF="$2"; shift 2 ;;
     -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "build-image.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -97,11 +100,20 @@ for v in http_proxy https_proxy no_proxy HTTP_PROXY HTTPS_PROXY NO_PROXY; do
   [ -n "${!v:-}" ] && mounts+=(--build-arg "$v=${!v}")
 done
 
+# The build context: the working tree, or a commit (others may be mid-edit in a shared tree).
+CONTEXT=.
+if [ -n "$GIT_REF" ]; then
+  CONTEXT="$(mktemp -d /var/tmp/pagedserve-context.XXXXXX)"
+  trap 'rm -f "$pipconf"; rm -rf "$CONTEXT"' EXIT
+  git archive "$GIT_REF" | tar -x -C "$CONTEXT"
+  echo "build-image.sh: context is $GIT_REF ($(git rev-parse --short "$GIT_REF"))" >&2
+fi
+
 echo "build-image.sh: building $IMAGE (variant $VARIANT, bake model $BAKE) from $BASE" >&2
 start=$(date +%s)
 "$PODMAN" build --format docker "${RUNTIME[@]}" "${ULIMITS[@]}" "${mounts[@]}" \
   --build-arg "BASE_IMAGE=$BASE" --build-arg "VARIANT=$VARIANT" --build-arg "BAKE_MODEL=$BAKE" \
-  -t "$IMAGE" -f Dockerfile .
+  -t "$IMAGE" -f "$CONTEXT/Dockerfile" "$CONTEXT"
 end=$(date +%s)
 size="$("$PODMAN" image inspect --format '{{.Size}}' "$IMAGE")"
 echo "build-image.sh: built $IMAGE in $((end - start)) s, $((size / 1000000)) MB"

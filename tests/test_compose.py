@@ -43,8 +43,22 @@ def test_compose_config_is_valid_and_complete() -> None:
         assert env["PAGEDSERVE_CURVE_KEYS"] == "/keys" and "PAGEDSERVE_INSECURE_INTERNAL_TCP" not in env
         assert svc["depends_on"]["keygen"]["condition"] == "service_completed_successfully", name
         assert any(v["target"] == "/keys" and v.get("read_only") for v in svc["volumes"]), name
+    for name, svc in services.items():
+        assert svc["restart"] == "unless-stopped", f"{name}: a restarted component is recovered"
+    published = {n: [p["target"] for p in services[n].get("ports", [])] for n in services}
+    assert published["frontend"][:2] == [50051, 8000], "gRPC and the OpenAI HTTP API"
+    assert {n: [p for p in ports if 9090 <= p <= 9093] for n, ports in published.items()} == {
+        "frontend": [9090], "scheduler": [9091], "blockmgr": [9092], "gpuworker": [9093]}, "metrics ports"
+    assert not any(5555 <= p <= 5558 for ports in published.values() for p in ports), \
+        "internal sockets are not published"
+
+
+def test_compose_gpu_override_reserves_a_gpu() -> None:
+    out = subprocess.run([compose_binary(), "-f", str(ROOT / "compose.yaml"), "-f", str(ROOT / "compose.gpu.yaml"),
+                          "config", "--format", "json"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    services = json.loads(out.stdout)["services"]
     devices = services["gpuworker"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
-    assert [p["target"] for p in services["frontend"]["ports"]] == [50051]
-    assert not any("ports" in services[n] for n in ("scheduler", "blockmgr", "gpuworker")), \
-        "internal sockets are not published"
+    assert {services[n]["environment"]["PAGEDSERVE_DEVICE"] for n in ("frontend", "scheduler", "blockmgr",
+                                                                      "gpuworker")} == {"cuda"}
