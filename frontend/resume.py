@@ -30,6 +30,7 @@ class _InFlight:
     streamed: dict[int, list[int]] = field(default_factory=dict)  # output index -> tokens streamed
     finished: set[int] = field(default_factory=set)
     sample_ids: list[str] = field(default_factory=list)  # ID/i sent to a new scheduler so far
+    answered: bool = False  # a delta came, and with the first one the prompt logprobs
 
     @property
     def num_outputs(self) -> int:
@@ -56,6 +57,7 @@ class ResumeBook:
         else:
             return None
         f = self._reqs[rid]
+        f.answered = True
         if not d.replace:  # beam search's final beams are not resumed from (it searches again)
             f.streamed.setdefault(d.index, []).extend(d.token_ids)
         if d.finish_reason is not None:
@@ -83,6 +85,10 @@ class ResumeBook:
             r, p = f.req, f.req.params
             if len(f.finished) >= f.num_outputs:
                 continue  # its stream has everything
+            if f.answered and p.prompt_logprobs is not None:
+                # The stream has them already: not computed again (and the prompt may hit the prefix cache).
+                p = msgspec.structs.replace(p, prompt_logprobs=None)
+                r = msgspec.structs.replace(r, params=p)
             if p.beam_width > 1:
                 out.append(msgspec.structs.replace(r, resume=True))
             elif p.n == 1:

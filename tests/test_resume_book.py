@@ -43,6 +43,16 @@ def test_unseeded_samples_stay_unseeded_and_single_requests_keep_their_id() -> N
     assert (again["s"].prompt_token_ids, again["s"].num_output_tokens, again["s"].params.seed) == ([5, 6, 9, 10], 2, 3)
 
 
+def test_prompt_logprobs_are_not_asked_again_once_the_stream_has_them() -> None:
+    book = ResumeBook()
+    book.sent(fe.AddRequest("p", [1, 2], SamplingParams(prompt_logprobs=1, n=2, seed=1), 0.0))
+    book.sent(fe.AddRequest("q", [1, 2], SamplingParams(prompt_logprobs=1), 0.0))
+    book.route(delta("p", 0, [3]))
+    again = {r.request_id: r for r in book.resumed()}
+    assert again["p/0"].params.prompt_logprobs is None and again["p/1"].params.prompt_logprobs is None
+    assert again["q"].params.prompt_logprobs == 1  # nothing came yet
+
+
 def test_beam_search_is_sent_again_unchanged_and_not_once_its_beams_arrived() -> None:
     book = ResumeBook()
     req = fe.AddRequest("b", [1, 2, 3], SamplingParams(beam_width=3, n=2, temperature=0.0), 0.0)
