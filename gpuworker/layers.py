@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels import AttentionBackend, get_attention_backend
+from pagedserve.kernels import AttentionBackend, cpu_ops, get_attention_backend
 
 
 @dataclass
@@ -43,7 +43,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new residual); with ``residual`` given, adds it first
-        (the fused add+norm of every pre-norm decoder layer)."""
+        (the fused add+norm of every pre-norm decoder layer). On the CPU path
+        one compiled pass, which writes the sum into ``residual``."""
+        fused = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps) if x.device.type == "cpu" else None
+        if fused is not None:
+            return fused
         if residual is not None:
             x = x + residual
         residual = x
@@ -114,6 +118,28 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.backend: AttentionBackend = get_attention_backend("torch", "cpu")  # the runner sets the real one
 
+    def forward_rotary(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q, k and v packed in the rows of ``qkv`` (a fused projection's
+        output): rotary embedding, cache write, attention. The CPU path does
+        the first two in one compiled pass and reads q in place."""
+        n, q_size, kv_size = qkv.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        k_cache, v_cache = kv_cache
+        if self.backend.name == "torch" and cpu_ops.rope_and_cache(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, rotary.cos, rotary.sin,
+            k_cache, v_cache, meta.slot_mapping,
+        ):
+            return self._attend(qkv[:, :q_size].view(n, self.num_heads, self.head_dim), kv_cache, meta)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k = rotary(positions, q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim))
+        return self(q, k, v.view(n, self.num_kv_heads, self.head_dim), kv_cache, meta)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -124,13 +150,19 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         self.backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta)
+
+    def _attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         out = self.backend.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
+            q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
             max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    fused = cpu_ops.silu_and_mul(x) if x.device.type == "cpu" else None
+    if fused is not None:
+        return fused
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -43,19 +43,14 @@ class LlamaAttention(nn.Module):
         total_kv = getattr(cfg, "num_key_value_heads", None) or total_heads
         q0, self.num_heads, _, self.num_kv_heads = head_range(total_heads, total_kv, tp)
         self.head_dim = head_dim
-        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.qkv_proj = qkv_linear(cfg.hidden_size, head_dim, total_heads, total_kv, qkv_bias, tp)
-        self.o_proj = RowParallelLinear(total_heads * head_dim, cfg.hidden_size, (q0 * head_dim, self.q_size), o_bias, tp)
+        self.o_proj = RowParallelLinear(total_heads * head_dim, cfg.hidden_size, (q0 * head_dim, self.num_heads * head_dim), o_bias, tp)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        n = x.shape[0]
-        q, k = rotary(positions, q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim))
-        out = self.attn(q, k, v.view(n, self.num_kv_heads, self.head_dim), kv_cache, meta)
-        return self.o_proj(out)
+        return self.o_proj(self.attn.forward_rotary(self.qkv_proj(x), positions, rotary, kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):

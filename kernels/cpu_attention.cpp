@@ -17,77 +17,19 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_common.h"
+
 namespace {
+
+using namespace pagedserve_cpu;
 
 constexpr int TILE_Q = 8;
 
-inline float load(const float* p) { return *p; }
-inline float load(const uint16_t* p) {  // bfloat16: the high half of a float
-  uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void store(float* p, float v) { *p = v; }
-inline void store(uint16_t* p, float v) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  *p = static_cast<uint16_t>(bits >> 16);
-}
-
 struct Shape {
   int num_heads, num_kv_heads, head_dim, block_size, table_stride;
+  int64_t q_stride;  // elements between two tokens of q (a view into the fused QKV rows, or heads * head_dim)
   float scale;
 };
-
-// exp(x) for x <= 0 (scores minus their running max), vectorisable: 2^(x log2 e)
-// as an integer power of two times a degree-6 polynomial of the fraction.
-// Relative error about 2e-7 (the tests hold the kernel to float64 within 1e-4);
-// a scalar libm call per score cost more than the whole QK^T.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-// 16 floats: one AVX-512 register, or two AVX2 ones (GCC vector extensions
-// build for whatever -march=native offers).
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-constexpr int LANES = 16;
-
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vf loadv(const uint16_t* p) {  // bfloat16 -> float: shift into the high half
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  const vu u = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline float hsum(vf v) {
-  float t = 0.0f;
-  for (int i = 0; i < LANES; ++i) t += v[i];
-  return t;
-}
 
 // First lines of a block the next iteration reads: block tables jump around
 // the pool, where no hardware prefetcher follows; once a block is being read
@@ -125,7 +67,7 @@ void run_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* tab
     for (int t = 0; t < nq; ++t)
       for (int g = 0; g < G; ++g) {
         const int r = (kvh * nq + t) * G + g;
-        const T* src = q + (static_cast<int64_t>(q_begin + q0 + t) * H + kvh * G + g) * D;
+        const T* src = q + static_cast<int64_t>(q_begin + q0 + t) * sh.q_stride + (kvh * G + g) * D;
         for (int d = 0; d < D; ++d) qs[r * D + d] = load(src + d) * sh.scale;
         m[r] = -FLT_MAX;
       }
@@ -276,9 +218,10 @@ extern "C" {
 int pagedserve_paged_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
                                const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start_loc,
                                void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                               int table_stride, float scale) {
+                               int table_stride, int64_t q_stride, float scale) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) return 1;
-  const Shape sh{num_heads, num_kv_heads, head_dim, block_size, table_stride, scale};
+  if (q_stride < static_cast<int64_t>(num_heads) * head_dim) return 1;
+  const Shape sh{num_heads, num_kv_heads, head_dim, block_size, table_stride, q_stride, scale};
   if (dtype == 0) {
     dispatch(static_cast<const float*>(q), static_cast<const float*>(k_cache),
                     static_cast<const float*>(v_cache), block_tables, seq_lens, query_start_loc,

@@ -36,20 +36,21 @@ def paged_attention_cpu(
     code = _DTYPE_CODES.get(q.dtype)
     if lib is None or code is None or q.device.type != "cpu" or k_cache.dtype != q.dtype:
         return paged_attention_sdpa(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
-    q = q.contiguous()
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()  # a token's heads must be one row; tokens may be strided (views into fused QKV)
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     qsl = query_start_loc.to(torch.int32).contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV pool must be contiguous")
     if out is None or not out.is_contiguous():
-        result = torch.empty_like(q)
+        result = torch.empty(q.shape, dtype=q.dtype)
     else:
         result = out
     rc = lib.pagedserve_paged_attention(
         code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         qsl.data_ptr(), result.data_ptr(), lens.numel(), q.shape[1], k_cache.shape[2], q.shape[2],
-        k_cache.shape[1], tables.shape[1], ctypes.c_float(scale),
+        k_cache.shape[1], tables.shape[1], q.stride(0), ctypes.c_float(scale),
     )
     if rc != 0:
         raise ValueError(f"paged attention: bad shapes (code {rc})")

@@ -1,4 +1,5 @@
-"""Builds and loads the CPU PagedAttention library (``cpu_attention.cpp``).
+"""Builds and loads the CPU kernel library: PagedAttention (``cpu_attention.cpp``)
+and the fused per-layer ops (``cpu_ops.cpp``), sharing ``cpu_common.h``.
 
 Compiled once per source, compiler and CPU into the pagedserve cache
 (``$PAGEDSERVE_CACHE/kernels/<hash>/``) with ``-march=native``, so a cache
@@ -22,7 +23,9 @@ from pathlib import Path
 from pagedserve.common.config import env_flag
 from pagedserve.common.default_model import cache_dir
 
-SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "cpu_attention.cpp", HERE / "cpu_ops.cpp")
+HEADERS = (HERE / "cpu_common.h",)
 # Compiled with fast math (vectorised expf, reassociated sums) but linked
 # without it: a -ffast-math link adds crtfastmath, whose constructor turns on
 # flush-to-zero for the whole process (hypothesis caught that).
@@ -52,34 +55,47 @@ def load() -> ctypes.CDLL | None:
         return None
     cxx = _compiler()
     if cxx is None:
-        print("pagedserve: no C++ compiler; CPU attention runs the torch path", file=sys.stderr)
+        print("pagedserve: no C++ compiler; the CPU path runs torch ops", file=sys.stderr)
         return None
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, " ".join(FLAGS), _cpu_id()]).encode()).hexdigest()[:16]
+    texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, cxx, version, " ".join(FLAGS), _cpu_id()]).encode()).hexdigest()[:16]
     lib = cache_dir() / "kernels" / key / "libpagedserve_cpu.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
         os.close(fd)
-        obj = tmp[:-3] + ".o"
-        proc = subprocess.run([cxx, *COMPILE, str(SOURCE), "-o", obj], capture_output=True, text=True)
-        if proc.returncode == 0:
-            proc = subprocess.run([cxx, obj, *LINK, "-o", tmp], capture_output=True, text=True)
-        if os.path.exists(obj):
-            os.unlink(obj)
+        objs = [f"{tmp[:-3]}.{i}.o" for i in range(len(SOURCES))]
+        for src, obj in zip(SOURCES, objs):
+            proc = subprocess.run([cxx, *COMPILE, str(src), "-o", obj], capture_output=True, text=True)
+            if proc.returncode != 0:
+                break
+        else:
+            proc = subprocess.run([cxx, *objs, *LINK, "-o", tmp], capture_output=True, text=True)
+        for obj in objs:
+            if os.path.exists(obj):
+                os.unlink(obj)
         if proc.returncode != 0:
             os.unlink(tmp)
-            print(f"pagedserve: building the CPU attention kernel failed; using the torch path\n{proc.stderr[-2000:]}",
+            print(f"pagedserve: building the CPU kernels failed; using the torch path\n{proc.stderr[-2000:]}",
                   file=sys.stderr)
             return None
         os.replace(tmp, lib)
     import torch  # noqa: F401 - torch's libgomp must be loaded first, so the kernel shares its threads
 
     dll = ctypes.CDLL(str(lib))
-    fn = dll.pagedserve_paged_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 6, ctypes.c_float]
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "pagedserve_paged_attention": [i32, *[ptr] * 7, *[i32] * 6, i64, f32],
+        "pagedserve_add_rms_norm": [i32, ptr, ptr, ptr, ptr, i32, i32, f32],
+        "pagedserve_rope_and_cache": [i32, ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr],
+        "pagedserve_silu_and_mul": [i32, ptr, ptr, i32, i32],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(dll, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
     return dll

@@ -1,0 +1,140 @@
+// The small per-layer ops of the CPU serving path, each one pass over its
+// rows instead of the five to fifteen torch ops (and their temporaries) the
+// plain path runs: residual add + RMSNorm, rotary embedding of q and k with
+// the K/V cache write, and SiLU(gate) * up. At small batches these ops cost
+// dispatch, not arithmetic, which is what a decode step of a small model is.
+//
+// Results equal the torch path's: fp32 up to the order of a sum, and bf16 with
+// torch's rounding after every op it rounds (round_as). Rows are spread over
+// torch's OpenMP threads once a batch is large enough to pay for the fork.
+#include <cstdint>
+
+#include "cpu_common.h"
+
+namespace {
+
+using namespace pagedserve_cpu;
+
+constexpr int PARALLEL_ROWS = 32;  // below this, one thread: the fork costs more than the rows
+
+// out = weight * rmsnorm(x + residual); the sum is written to residual.
+// Without a residual, x itself is normalised (and left as it is).
+template <typename T>
+void add_rms_norm(T* x, T* residual, const T* weight, T* out, int rows, int hidden, float eps) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
+  for (int r = 0; r < rows; ++r) {
+    T* xr = x + static_cast<int64_t>(r) * hidden;
+    T* src = xr;
+    if (residual != nullptr) {
+      src = residual + static_cast<int64_t>(r) * hidden;
+      for (int i = 0; i < hidden; ++i) store(src + i, load(xr + i) + load(src + i));
+    }
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < hidden; ++i) ss += load(src + i) * load(src + i);
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
+    T* o = out + static_cast<int64_t>(r) * hidden;
+    for (int i = 0; i < hidden; ++i) store(o + i, load(weight + i) * round_as(o, load(src + i) * inv));
+  }
+}
+
+// Neox rotary embedding (rotate half) of one head in place.
+template <typename T>
+inline void rotate(T* x, const float* cos, const float* sin, int half) {
+  for (int i = 0; i < half; ++i) {
+    const float c = round_as(x, cos[i]), s = round_as(x, sin[i]);
+    const float x1 = load(x + i), x2 = load(x + half + i);
+    store(x + i, round_as(x, x1 * c) - round_as(x, x2 * s));
+    store(x + half + i, round_as(x, x2 * c) + round_as(x, x1 * s));
+  }
+}
+
+// qkv: [tokens, stride] rows holding q (heads), k and v (kv_heads each) of
+// head_dim. q and k are rotated in place, then k and v are copied to their
+// slot of the pool [num_blocks, block_size, kv_heads, head_dim]; negative
+// slots (padding) are skipped. cos/sin: [max_position, head_dim / 2].
+template <typename T>
+void rope_and_cache(T* qkv, int64_t stride, int tokens, int heads, int kv_heads, int head_dim, const int64_t* positions,
+                    const float* cos, const float* sin, T* k_cache, T* v_cache, const int64_t* slots) {
+  const int half = head_dim / 2;
+  const int64_t slot_elems = static_cast<int64_t>(kv_heads) * head_dim;
+#pragma omp parallel for if (tokens >= PARALLEL_ROWS) schedule(static)
+  for (int t = 0; t < tokens; ++t) {
+    T* row = qkv + t * stride;
+    const float* c = cos + positions[t] * half;
+    const float* s = sin + positions[t] * half;
+    for (int h = 0; h < heads; ++h) rotate(row + static_cast<int64_t>(h) * head_dim, c, s, half);
+    T* k = row + static_cast<int64_t>(heads) * head_dim;
+    for (int h = 0; h < kv_heads; ++h) rotate(k + static_cast<int64_t>(h) * head_dim, c, s, half);
+    if (slots[t] < 0) continue;
+    std::memcpy(k_cache + slots[t] * slot_elems, k, slot_elems * sizeof(T));
+    std::memcpy(v_cache + slots[t] * slot_elems, k + slot_elems, slot_elems * sizeof(T));
+  }
+}
+
+// out[r] = silu(x[r, :width]) * x[r, width:]; x: [rows, 2 * width].
+template <typename T>
+void silu_and_mul(const T* x, T* out, int rows, int width) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
+  for (int r = 0; r < rows; ++r) {
+    const T* gate = x + static_cast<int64_t>(r) * 2 * width;
+    const T* up = gate + width;
+    T* o = out + static_cast<int64_t>(r) * width;
+#pragma omp simd
+    for (int i = 0; i < width; ++i) {
+      const float g = load(gate + i);
+      store(o + i, round_as(o, g / (1.0f + exp_any(-g))) * load(up + i));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 float32, 1 bfloat16. Each returns 0, or a positive code for bad arguments.
+int pagedserve_add_rms_norm(int dtype, void* x, void* residual, const void* weight, void* out, int rows, int hidden,
+                            float eps) {
+  if (rows < 0 || hidden <= 0) return 1;
+  if (dtype == 0) {
+    add_rms_norm(static_cast<float*>(x), static_cast<float*>(residual), static_cast<const float*>(weight),
+                 static_cast<float*>(out), rows, hidden, eps);
+  } else if (dtype == 1) {
+    add_rms_norm(static_cast<uint16_t*>(x), static_cast<uint16_t*>(residual), static_cast<const uint16_t*>(weight),
+                 static_cast<uint16_t*>(out), rows, hidden, eps);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
+int pagedserve_rope_and_cache(int dtype, void* qkv, int64_t stride, int tokens, int heads, int kv_heads, int head_dim,
+                              const int64_t* positions, const float* cos, const float* sin, void* k_cache,
+                              void* v_cache, const int64_t* slots) {
+  if (tokens < 0 || heads <= 0 || kv_heads <= 0 || head_dim <= 0 || head_dim % 2 != 0) return 1;
+  if (stride < static_cast<int64_t>(heads + 2 * kv_heads) * head_dim) return 1;
+  if (dtype == 0) {
+    rope_and_cache(static_cast<float*>(qkv), stride, tokens, heads, kv_heads, head_dim, positions, cos, sin,
+                   static_cast<float*>(k_cache), static_cast<float*>(v_cache), slots);
+  } else if (dtype == 1) {
+    rope_and_cache(static_cast<uint16_t*>(qkv), stride, tokens, heads, kv_heads, head_dim, positions, cos, sin,
+                   static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), slots);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
+int pagedserve_silu_and_mul(int dtype, const void* x, void* out, int rows, int width) {
+  if (rows < 0 || width <= 0) return 1;
+  if (dtype == 0) {
+    silu_and_mul(static_cast<const float*>(x), static_cast<float*>(out), rows, width);
+  } else if (dtype == 1) {
+    silu_and_mul(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, width);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,72 @@
+"""The fused per-layer ops of the CPU serving path (``cpu_ops.cpp``).
+
+Each function returns None (or False) where the compiled library cannot run
+it (not built, another device or dtype, a layout it does not take), and the
+caller runs its plain torch ops instead, so the library is an optimisation
+and never a requirement. tests/test_cpu_ops.py holds each to those torch ops.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedserve.kernels import cpu_build
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _code(*tensors: torch.Tensor) -> int | None:
+    """The library's dtype code when every tensor is a contiguous CPU tensor of one supported dtype."""
+    dtype = tensors[0].dtype
+    if cpu_build.load() is None or dtype not in _DTYPE_CODES:
+        return None
+    if any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors):
+        return None
+    return _DTYPE_CODES[dtype]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(weight * rmsnorm(x + residual), x + residual), the sum written into
+    ``residual``; without a residual, (weight * rmsnorm(x), x)."""
+    code = _code(x, weight) if residual is None else _code(x, weight, residual)
+    if code is None or x.dim() != 2:
+        return None
+    out = torch.empty_like(x)
+    rc = cpu_build.load().pagedserve_add_rms_norm(
+        code, x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        x.shape[0], x.shape[1], eps)
+    if rc != 0:
+        raise ValueError(f"add_rms_norm: bad shapes (code {rc})")
+    return out, (x if residual is None else residual)
+
+
+def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> bool:
+    """Rotates q and k in place in ``qkv`` by neox RoPE at ``positions`` and
+    writes k and v into their slots of the pool. ``qkv``: [tokens, (heads + 2
+    kv_heads) * head_dim] rows, possibly strided. False: not done, nothing changed."""
+    code = _code(k_cache, v_cache)
+    if (code is None or qkv.dtype != k_cache.dtype or qkv.device.type != "cpu" or qkv.stride(1) != 1
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())):
+        return False
+    positions = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    rc = cpu_build.load().pagedserve_rope_and_cache(
+        code, qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim, positions.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr())
+    if rc != 0:
+        raise ValueError(f"rope_and_cache: bad shapes (code {rc})")
+    return True
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """silu(x[:, :w]) * x[:, w:] for x [rows, 2w]."""
+    code = _code(x)
+    if code is None or x.dim() != 2 or x.shape[1] % 2 != 0:
+        return None
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    rc = cpu_build.load().pagedserve_silu_and_mul(code, x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1] // 2)
+    if rc != 0:
+        raise ValueError(f"silu_and_mul: bad shapes (code {rc})")
+    return out

@@ -1,0 +1,125 @@
+"""The CPU path's fused per-layer ops (kernels/cpu_ops.cpp) against the torch
+ops they replace, in fp32 and bf16: residual add + RMSNorm, rotary
+embedding with the K/V cache write (strided q/k/v rows of a fused
+projection, padding slots skipped), and SiLU(gate) * up."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.gpuworker.layers import RMSNorm, RotaryEmbedding, _rotate
+from pagedserve.kernels import cpu_build, cpu_ops
+
+DTYPES = [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)]
+
+
+def test_the_fused_ops_build_here() -> None:
+    assert cpu_build.load() is not None  # a silent fallback would hide a broken library
+
+
+def _torch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), x
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_equals_torch(dtype: torch.dtype, tol: float, rows: int, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(dtype) * 3
+    residual = torch.randn(rows, 576, generator=g).to(dtype) if with_residual else None
+    weight = torch.randn(576, generator=g).to(dtype)
+    want_out, want_res = _torch_norm(x, residual, weight, 1e-5)
+    got = cpu_ops.add_rms_norm(x.clone(), None if residual is None else residual.clone(), weight, 1e-5)
+    assert got is not None
+    out, res = got
+    assert torch.equal(res, want_res) if dtype == torch.bfloat16 else torch.allclose(res, want_res, atol=1e-6)
+    err = ((out.double() - want_out.double()).abs().max() / want_out.double().abs().max()).item()
+    assert err < tol, err
+
+
+def test_rms_norm_layer_uses_the_fused_op_and_writes_the_sum_into_residual() -> None:
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2, 64))
+    x, residual = torch.randn(5, 64), torch.randn(5, 64)
+    want = _torch_norm(x, residual, norm.weight.detach(), 1e-6)
+    buf = residual.clone()
+    out, res = norm(x, buf)
+    assert res is buf and torch.allclose(buf, x + residual)  # one pass, no new residual tensor
+    assert torch.allclose(out, want[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128)])
+def test_rope_and_cache_equals_rotary_plus_cache_write(dtype: torch.dtype, tol: float, heads: int, kv_heads: int,
+                                                       head_dim: int) -> None:
+    g = torch.Generator().manual_seed(heads * head_dim)
+    tokens, num_blocks, block_size = 11, 6, 4
+    rotary = RotaryEmbedding(head_dim, 512, {"rope_theta": 10000.0})
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width + 8, generator=g).to(dtype)[:, :width]  # strided rows, as a fused projection's view
+    positions = torch.randint(0, 512, (tokens,), generator=g)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    slots[3] = -1  # padding: skipped
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    # The torch path: split, rotate, write through the slot mapping.
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    want_q, want_k = rotary(positions, q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim))
+    got_qkv = qkv.clone()
+    k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    assert cpu_ops.rope_and_cache(got_qkv, heads, kv_heads, head_dim, positions, rotary.cos, rotary.sin,
+                                  k_cache, v_cache, slots)
+    got_q = got_qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)
+    keep = slots >= 0
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+    assert rel(got_q, want_q) < tol
+    assert rel(k_flat[slots[keep]], want_k[keep]) < tol
+    assert torch.equal(v_flat[slots[keep]], v.reshape(tokens, kv_heads, head_dim)[keep])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert k_flat[untouched].isnan().all() and v_flat[untouched].isnan().all()  # only the given slots written
+    assert torch.equal(got_qkv[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])  # v as it was
+
+
+def test_rotate_helper_matches_the_bf16_rounding_of_the_fused_op() -> None:
+    # bf16: the fused op rounds after every product and sum, as the torch ops do; equal bit for bit.
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 2, 64, generator=g).to(torch.bfloat16)
+    cos, sin = torch.rand(3, 1, 32, generator=g), torch.rand(3, 1, 32, generator=g)
+    want = _rotate(x, cos, sin)
+    qkv = torch.cat([x.reshape(3, 128), torch.zeros(3, 2 * 64, dtype=torch.bfloat16)], dim=1)
+    pos = torch.arange(3)
+    kc = torch.zeros(4, 1, 1, 64, dtype=torch.bfloat16)
+    assert cpu_ops.rope_and_cache(qkv, 2, 1, 64, pos, cos[:, 0].contiguous(), sin[:, 0].contiguous(), kc, kc.clone(),
+                                  torch.full((3,), -1))
+    assert torch.equal(qkv[:, :128].reshape(3, 2, 64), want)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_silu_and_mul_equals_torch(dtype: torch.dtype, tol: float, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 2 * 1536, generator=g) * 6).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).to(dtype)  # exp's clamps
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = cpu_ops.silu_and_mul(x)
+    assert got is not None
+    err = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+    assert err < tol, err
+
+
+def test_fused_ops_decline_what_they_do_not_take() -> None:
+    x = torch.randn(4, 8, dtype=torch.float64)
+    assert cpu_ops.silu_and_mul(x) is None
+    assert cpu_ops.add_rms_norm(x, None, torch.ones(8, dtype=torch.float64), 1e-6) is None
+    assert cpu_ops.add_rms_norm(torch.randn(8, 4).t(), None, torch.ones(8), 1e-6) is None  # not contiguous
