@@ -31,14 +31,15 @@ struct Shape {
   float scale;
 };
 
-// First lines of a block the next iteration reads: block tables jump around
-// the pool, where no hardware prefetcher follows; once a block is being read
-// sequentially, the prefetchers take over.
+// Block tables jump around the pool, where no hardware prefetcher follows,
+// and one block's K/V are read faster than memory answers a miss: so while
+// block kb is read, token i's slot of block kb + AHEAD is prefetched.
+constexpr int AHEAD = 2;
+
 template <typename T>
-inline void prefetch_start(const T* p, int64_t count) {
+inline void prefetch(const T* p, int64_t count) {
   const char* c = reinterpret_cast<const char*>(p);
-  const int64_t bytes = std::min<int64_t>(count * static_cast<int64_t>(sizeof(T)), 1024);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  for (int64_t off = 0; off < count * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
 // Up to this many query rows accumulate in registers at once.
@@ -75,17 +76,24 @@ void run_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* tab
   const int last_ctx = first_ctx + nq - 1;
   const int num_blocks = (last_ctx + BS - 1) / BS;
   const int64_t block_elems = static_cast<int64_t>(BS) * tok_stride;
+  auto tokens_in = [&](int kb) { return std::min(BS, last_ctx - kb * BS); };
+  for (int kb = 0; kb < std::min(AHEAD, num_blocks); ++kb) {
+    prefetch(k_cache + table[kb] * block_elems, tokens_in(kb) * tok_stride);
+    prefetch(v_cache + table[kb] * block_elems, tokens_in(kb) * tok_stride);
+  }
   for (int kb = 0; kb < num_blocks; ++kb) {
     const T* kblk = k_cache + table[kb] * block_elems;
     const T* vblk = v_cache + table[kb] * block_elems;
-    const int n = std::min(BS, last_ctx - kb * BS);
-    if (kb + 1 < num_blocks) {
-      const int64_t next = std::min(BS, last_ctx - (kb + 1) * BS) * tok_stride;
-      prefetch_start(k_cache + table[kb + 1] * block_elems, next);
-      prefetch_start(v_cache + table[kb + 1] * block_elems, next);
-    }
+    const int n = tokens_in(kb);
+    const int n_ahead = kb + AHEAD < num_blocks ? tokens_in(kb + AHEAD) : 0;
+    const T* k_ahead = n_ahead > 0 ? k_cache + table[kb + AHEAD] * block_elems : nullptr;
+    const T* v_ahead = n_ahead > 0 ? v_cache + table[kb + AHEAD] * block_elems : nullptr;
     // Scores. Key i is visible to token t when kb * BS + i < first_ctx + t (causal).
     for (int i = 0; i < n; ++i) {
+      if (i < n_ahead) {
+        prefetch(k_ahead + i * tok_stride, tok_stride);
+        prefetch(v_ahead + i * tok_stride, tok_stride);
+      }
       const int t_min = std::max(0, kb * BS + i - first_ctx + 1);
       for (int kvh = 0; kvh < KVH; ++kvh) {
         const T* kr = kblk + i * tok_stride + kvh * D;
