@@ -312,8 +312,9 @@ class RequestStream:
             st = self.outputs.get(d.index)
             if st is None:
                 p = self.req.prep
-                st = self.outputs[d.index] = OutputState(d.index, self.svc.tokenizer, self.req.prompt_ids, p.stop,
-                                                         p.include_stop_str_in_output, p.params.logprobs is not None)
+                st = self.outputs[d.index] = OutputState(d.index, self.svc.tokenizer if p.detokenize else None,
+                                                         self.req.prompt_ids, p.stop, p.include_stop_str_in_output,
+                                                         p.params.logprobs is not None)
             if d.token_ids and not st.finished:
                 if self.first_token_at is None:
                     self.first_token_at = t

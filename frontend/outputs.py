@@ -97,14 +97,15 @@ def merge_into(merged: dict[int, Chunk], chunk: Chunk) -> None:
 
 
 class OutputState:
-    """One of a request's n outputs."""
+    """One of a request's n outputs. Without a tokenizer (the request's
+    ``detokenize`` is false) only token ids are released, with no text."""
 
     def __init__(self, index: int, tokenizer: Any, prompt_ids: list[int], stops: tuple[str, ...],
                  include_stop: bool, want_logprobs: bool) -> None:
         self.index = index
         self._tok = tokenizer
         self._prompt_ids = prompt_ids
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
         self._stops = stops
         self._stop = StopChecker(stops) if stops else None
         self._include_stop = include_stop
@@ -140,7 +141,7 @@ class OutputState:
         final = d.finish_reason is not None
         self.num_generated += len(d.token_ids)
         for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
-            text = self._detok.add([tok], final=final and i == len(d.token_ids) - 1)
+            text = "" if self._detok is None else self._detok.add([tok], final=final and i == len(d.token_ids) - 1)
             self._chars += len(text)
             self._pending.append([tok, lp if self._want_logprobs else None, None])
             if text:
@@ -188,7 +189,7 @@ class OutputState:
         """A beam (or any output) sent whole: replaces what was sent before."""
         ids = list(d.token_ids)
         lps = list(d.logprobs) if len(d.logprobs) == len(ids) else []
-        text = IncrementalDetokenizer(self._tok, self._prompt_ids).add(ids, final=True)
+        text = "" if self._tok is None else IncrementalDetokenizer(self._tok, self._prompt_ids).add(ids, final=True)
         chunk = Chunk(self.index, replace=True, finish_reason=d.finish_reason,
                       cumulative_logprob=d.cumulative_logprob)
         hit = first_stop(text, self._stops) if self._stops else None

@@ -127,6 +127,7 @@ class Prepared:
     params: SamplingParams
     stop: tuple[str, ...]
     include_stop_str_in_output: bool
+    detokenize: bool = True  # false: ids only, no text (vLLM's SamplingParams.detokenize)
 
 
 def sampling_params(sp: pb.SamplingParams, prompt_len: int, limits: Limits) -> Prepared:
@@ -166,6 +167,9 @@ def sampling_params(sp: pb.SamplingParams, prompt_len: int, limits: Limits) -> P
     for s in sp.stop:
         if not s or len(s) > MAX_STOP_STRING_LEN:
             raise ValidationError(f + "stop", f"each stop string must have 1 to {MAX_STOP_STRING_LEN} characters")
+    detokenize = sp.detokenize if sp.HasField("detokenize") else True
+    if not detokenize and sp.stop:
+        raise ValidationError(f + "detokenize", "stop strings are matched on the text: they need detokenize")
     if sp.min_tokens > max_tokens:
         raise ValidationError(f + "min_tokens", f"{sp.min_tokens} exceeds max_tokens={max_tokens}")
     if len(sp.stop_token_ids) > limits.max_stop_ids:
@@ -197,4 +201,4 @@ def sampling_params(sp: pb.SamplingParams, prompt_len: int, limits: Limits) -> P
         frequency_penalty=sp.frequency_penalty, logit_bias=dict(sp.logit_bias), logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, beam_width=beam_width, length_penalty=length_penalty,
         early_stopping=sp.early_stopping, structured=structured)
-    return Prepared(params, tuple(sp.stop), sp.include_stop_str_in_output)
+    return Prepared(params, tuple(sp.stop), sp.include_stop_str_in_output, detokenize)

@@ -166,6 +166,25 @@ def test_stop_strings_split_across_tokens_and_chunks_never_reach_the_client(serv
     wait_all_free(server)
 
 
+
+def test_detokenize_false_streams_the_same_ids_without_text(server: Server) -> None:
+    # vLLM's SamplingParams.detokenize: ids only (what bench peers asks of every engine).
+    with server.client() as c:
+        ids, text, _ = c.generate(PROMPT, max_tokens=24, temperature=0.0, ignore_eos=True)
+        assert text
+        got, texts = [], []
+        for resp in c.stream(PROMPT, max_tokens=24, temperature=0.0, ignore_eos=True, detokenize=False):
+            for out in resp.outputs:
+                got += out.token_ids
+                texts.append(out.text)
+        assert got == ids and not any(texts)
+        beams = c.generate_all(PROMPT, max_tokens=8, beam_width=2, n=2, detokenize=False)
+        assert all(not r[1] and len(r[0]) == 8 for r in (beams.result(0), beams.result(1)))
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(PROMPT, max_tokens=4, detokenize=False, stop=["x"])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "detokenize" in err.value.details()
+    wait_all_free(server)
+
 # ---------------------------------------------------------------- abort, deadlines, cancellation
 def test_abort_rpc_ends_the_stream_with_abort(server: Server) -> None:
     with server.client() as c, server.client() as c2:

@@ -67,8 +67,9 @@ class PagedserveEngine:
         from pagedserve.client import AsyncGenerationClient
 
         async with AsyncGenerationClient(self.addr) as c:
+            # detokenize=False: ids only, as the vLLM peer's SamplingParams(detokenize=False) and HF's ids.
             res = await asyncio.gather(*(c.generate(ids, max_tokens=o, temperature=0.0, ignore_eos=True,
-                                                    timeout=3600) for ids, o in work))
+                                                    detokenize=False, timeout=3600) for ids, o in work))
         return [list(r[0]) for r in res]
 
     def run(self, workload: str) -> RunResult:
