@@ -40,10 +40,17 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int
-    num_gpu_blocks: int  # usable ones (the null block left out)
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     preemption_mode: str = "recompute"  # recompute | swap | auto
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """The KV pools as the worker sized them (WorkerReady): not configuration,
+    since a restarted worker may size them differently (EngineCore.recover)."""
+
+    num_gpu_blocks: int  # usable ones (the null block left out)
     num_cpu_blocks: int = 0
 
 
@@ -52,8 +59,9 @@ class BlockReplyMismatch(ValueError):
 
 
 class Scheduler(Preemption, Results):
-    def __init__(self, cfg: SchedulerConfig) -> None:
+    def __init__(self, cfg: SchedulerConfig, pool: PoolSize) -> None:
         self.cfg = cfg
+        self.pool = pool
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # arrival order
         self.swapped: list[SequenceGroup] = []
@@ -98,10 +106,10 @@ class Scheduler(Preemption, Results):
             group.beam = BeamSearch(p.beam_width, len(prompt), min(len(prompt) + p.max_tokens, self.cfg.max_model_len),
                                     self.cfg.eos_token_ids, p.length_penalty, p.early_stopping)
         blocks_needed = cdiv(len(req.prompt_token_ids) + 1, self.cfg.block_size)
-        if blocks_needed > self.cfg.num_gpu_blocks:
+        if blocks_needed > self.pool.num_gpu_blocks:
             self._finish_group(group, FinishReason.ERROR,
                                f"prompt of {len(req.prompt_token_ids)} tokens needs {blocks_needed} KV blocks; "
-                               f"the pool has {self.cfg.num_gpu_blocks}", ErrorKind.KV_CACHE)
+                               f"the pool has {self.pool.num_gpu_blocks}", ErrorKind.KV_CACHE)
             return
         self.groups[group.request_id] = group
         for s in seqs:

@@ -17,7 +17,7 @@ from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.types import RefusalKind
-from pagedserve.scheduler.core import Scheduler, SchedulerConfig
+from pagedserve.scheduler.core import PoolSize, Scheduler, SchedulerConfig
 from pagedserve.scheduler.recovery import requeue_all
 
 RECOVERY_ATTEMPT_S = 0.5  # one try at a restarting component; between tries the inbox is served
@@ -132,12 +132,10 @@ class EngineCore:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             block_size=ready.block_size,
-            num_gpu_blocks=ready.num_usable_gpu_blocks,
             max_model_len=ready.model.max_model_len,
             eos_token_ids=ready.model.eos_token_ids,
             preemption_mode=cfg.preemption_mode,
-            num_cpu_blocks=ready.num_cpu_blocks,
-        ))
+        ), PoolSize(ready.num_usable_gpu_blocks, ready.num_cpu_blocks))
 
     def _worker_call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply:
         rep = self.worker.call(req, timeout_s)
@@ -199,9 +197,7 @@ class EngineCore:
         retry(lambda: self._worker_call(wk.ResetWorker(), RECOVERY_ATTEMPT_S))
         if (ready.num_gpu_blocks, ready.num_cpu_blocks) != (self.ready.num_gpu_blocks, self.ready.num_cpu_blocks):
             # A restarted worker may size its pool differently (free GPU memory moved).
-            sch = self.scheduler
-            sch.cfg = dataclasses.replace(sch.cfg, num_gpu_blocks=ready.num_usable_gpu_blocks,
-                                          num_cpu_blocks=ready.num_cpu_blocks)
+            self.scheduler.pool = PoolSize(ready.num_usable_gpu_blocks, ready.num_cpu_blocks)
         self.ready = ready
         retry(lambda: self._block_call(bm.InitRequest(ready.num_gpu_blocks, ready.num_cpu_blocks, ready.block_size,
                                                       self.cfg.enable_prefix_caching, self.cfg.kv_watermark),

@@ -13,7 +13,7 @@ from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages.frontend import ErrorKind
 from pagedserve.scheduler.plan import StepPlan
 if TYPE_CHECKING:
-    from pagedserve.scheduler.core import SchedulerConfig
+    from pagedserve.scheduler.core import PoolSize, SchedulerConfig
 
 from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
 
@@ -26,6 +26,7 @@ class Preemption:
     """Mixed into ``Scheduler``; the state it reads is the scheduler's."""
 
     cfg: SchedulerConfig
+    pool: PoolSize
     running: list[SequenceGroup]
     swapped: list[SequenceGroup]
     waiting: deque[SequenceGroup]
@@ -101,7 +102,7 @@ class Preemption:
 
     def _use_swap(self, group: SequenceGroup) -> bool:
         live = group.live_seqs
-        if self.cfg.num_cpu_blocks == 0 or not all(s.known_to_worker for s in live):
+        if self.pool.num_cpu_blocks == 0 or not all(s.known_to_worker for s in live):
             return False
         if self.cfg.preemption_mode == "swap":
             return True
