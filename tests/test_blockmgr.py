@@ -19,6 +19,7 @@ from pagedserve.common.messages.blockmgr import (
     StepRequest,
     SwapIn,
     SwapOut,
+    answered_seq_ids,
 )
 
 OK, NO_ROOM = Status.OK, Status.NO_ROOM
@@ -329,3 +330,28 @@ def test_reset_and_everything_freed() -> None:
     assert (st.num_free_gpu_blocks, st.num_free_cpu_blocks, st.num_seqs, st.num_shared_block_refs) == (8, 4, 0, 0)
     m.reset()
     assert m.stats().prefix_cache_queries == 0 and not m.gpu.cached
+
+
+def test_results_pair_one_to_one_with_the_ops() -> None:
+    m = mk()
+    step(m, Allocate(1, A[:6], 6))
+    r = step(m, Fork(1, 2), Append(1, [7]), Free(2), Append(1, [8]))
+    # Fork: the child's table; the CoW append: a result; Free: None; an append into the copied block: None
+    assert r.results == [SeqResult(2, OK, 0, [1, 2]), res(1, 1, [3], 0, 1), None, None]
+    assert [sid for op in [Fork(1, 2), SwapOut([3, 4]), Free(5)] for sid in answered_seq_ids(op)] == [2, 3, 4, 5]
+
+
+def test_admissible_blocks_are_the_free_ones_beyond_the_watermark() -> None:
+    m = BlockManager(101, 0, 4, watermark=0.05)  # 100 usable, 5 kept back
+    assert m.stats().num_admissible_gpu_blocks == 95
+    step(m, Allocate(1, list(range(380)), 380))  # 95 blocks
+    assert m.stats().num_admissible_gpu_blocks == 0
+
+
+def test_skip_prefix_lookup_computes_the_whole_prompt_and_still_caches_it() -> None:
+    m = mk()
+    step(m, Allocate(1, A, 12))
+    r = step(m, Allocate(2, A, 12, skip_prefix_lookup=True))
+    assert r.results[0].num_cached_tokens == 0 and r.results[0].num_scheduled_tokens == 12
+    r = step(m, Allocate(3, A, 12))
+    assert r.results[0].num_cached_tokens == 8

@@ -38,3 +38,22 @@ def test_enforce_eager_turns_cuda_graphs_off() -> None:
     from pagedserve.gpuworker.model_runner import ModelRunner
 
     assert ModelRunner(EngineConfig(enforce_eager=True), cuda_graphs=True).want_graphs is False
+
+
+def test_the_worker_address_variable_does_not_feed_the_worker_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose sets PAGEDSERVE_WORKER to the worker's address; --worker reads PAGEDSERVE_WORKER_KIND."""
+    monkeypatch.setenv("PAGEDSERVE_WORKER", "tcp://gpuworker:5558")
+    assert parse([]).worker == "model"
+    monkeypatch.setenv("PAGEDSERVE_WORKER_KIND", "sim")
+    assert parse([]).worker == "sim"
+
+
+def test_context_limits_come_from_the_config() -> None:
+    from types import SimpleNamespace
+
+    from pagedserve.gpuworker.loader import DEFAULT_MAX_POSITIONS, context_limits
+
+    assert context_limits(SimpleNamespace(max_position_embeddings=512, sliding_window=64)) == (512, 64)  # Mistral
+    assert context_limits(SimpleNamespace(max_position_embeddings=512, sliding_window=64,
+                                          use_sliding_window=False)) == (512, None)  # Qwen2
+    assert context_limits(SimpleNamespace()) == (DEFAULT_MAX_POSITIONS, None)

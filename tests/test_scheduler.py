@@ -9,7 +9,7 @@ import pytest
 from pagedserve.blockmgr.manager import BlockManager
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.messages import worker as wk
-from pagedserve.common.messages.frontend import AbortRequest, AddRequest, TokenDelta
+from pagedserve.common.messages.frontend import AbortRequest, AddRequest, ErrorKind, TokenDelta
 from pagedserve.common.messages.types import SamplingParams
 from pagedserve.gpuworker.sim_worker import SimWorker, expected_output
 from pagedserve.scheduler.engine import EngineCore, InProcessBlockClient, InProcessWorkerClient
@@ -208,6 +208,8 @@ def test_request_that_can_never_fit_gets_an_error() -> None:
     errs = {d.request_id: d.error for d in out if d.finish_reason == "error"}
     assert "big" in errs and "KV blocks" in errs["big"]
     assert "grows" in errs and "outgrew" in errs["grows"]
+    # The kind, not the text, picks the status code (frontend/server.GRPC_STATUS).
+    assert {d.error_kind for d in out if d.finish_reason == "error"} == {ErrorKind.KV_CACHE}
     assert_all_free(core, blocks)
 
 
@@ -249,3 +251,32 @@ def test_kv_watermark_holds_back_admissions() -> None:
     s = blocks.manager.stats()
     assert len(core.scheduler.running) == 40 and len(core.scheduler.waiting) == 10
     assert s.num_free_gpu_blocks == 20  # admissions stopped at the watermark
+
+
+def test_a_reply_that_does_not_pair_with_its_request_is_refused() -> None:
+    from pagedserve.common.messages import blockmgr as bm
+    from pagedserve.scheduler.core import BlockReplyMismatch
+
+    core, _, blocks = make_engine(num_gpu_blocks=32)
+    add(core, "a", [1, 2, 3], 2)
+    sch = core.scheduler
+    plan = sch.schedule()
+    assert plan is not None
+    reply = blocks.call(plan.request)
+    assert isinstance(reply, bm.StepReply) and len(reply.results) == 1
+    with pytest.raises(BlockReplyMismatch):
+        sch.on_block_reply(plan, bm.StepReply(reply.results * 2, [], [], [], reply.stats))
+
+
+def test_prompt_logprobs_skip_the_prefix_lookup_and_counts_are_published() -> None:
+    core, worker, _ = make_engine(num_gpu_blocks=64)
+    prompt = list(range(1, 18))
+    add(core, "warm", prompt, 1)
+    core.run_until_idle()
+    core.handle(AddRequest("lp", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), 0.0))
+    core.handle(AddRequest("hit", prompt, SamplingParams(max_tokens=1, temperature=0.0), 0.0))
+    assert core.counts.num_waiting == 2  # published after each message
+    core.step()
+    new = {n.seq_id: n.num_computed_tokens for n in worker.steps[-1].new_seqs}
+    assert sorted(new.values()) == [0, 16]  # the prompt-logprobs one computes everything
+    assert core.counts.num_waiting == 0 and core.counts.num_steps == core.scheduler.num_steps  # both ran and finished

@@ -113,3 +113,16 @@ def test_slot_pool_catches_a_shared_block_and_follows_swaps() -> None:
     w.execute(wk.ExecuteStep(2, [], [wk.BlockDiff(1, 0, [5])], [], [], swap_in=[(2, 5)]))
     w.pool.gpu[1 * 4:2 * 4] = w.pool.gpu[0:4]  # the old block is reused by someone else
     assert w.execute(_step(3, [], [(1, 1)])).sampled  # reads back through block 5
+
+
+def test_a_new_seq_the_worker_holds_is_refused_unless_dropped_first() -> None:
+    """The step application both workers share (gpuworker/seq_state.py): the
+    scheduler drops a sequence (finished) before it re-sends it."""
+    params = SamplingParams(max_tokens=4)
+    w = SimWorker(8, 4)
+    w.execute(_step(0, [wk.NewSeq(1, [1, 2, 3], [1], 0, params, 3)], [(1, 3)]))
+    with pytest.raises(ValueError, match="sent as new while the worker holds it"):
+        w.execute(_step(1, [wk.NewSeq(1, [1, 2, 3], [1], 0, params, 3)], [(1, 3)]))
+    again = wk.ExecuteStep(2, [wk.NewSeq(1, [1, 2, 3], [], 0, params, 3)], [wk.BlockDiff(1, 0, [2])],
+                           [wk.ScheduledSeq(1, 3)], finished=[1])  # recompute: drop, re-send, blocks as a diff
+    assert [t.seq_id for t in w.execute(again).sampled] == [1]
