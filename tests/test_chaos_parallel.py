@@ -1,7 +1,8 @@
-"""Issue 11: parallel sampling (n > 1) and beam search survive a scheduler
-kill -9. Real processes (``pagedserve serve``, and the components started
-by hand as compose runs them), a pool small enough to preempt; the scheduler
-is killed mid-stream and restarted. Every output of every stream finishes
+"""Issue 11: parallel sampling (n > 1) and beam search survive a kill -9 of
+the scheduler (resumed by the frontend), the gpuworker or the blockmgr
+(resumed by the scheduler). Real processes (``pagedserve serve``, and the
+components started by hand as compose runs them), a pool small enough to
+preempt; the component is killed mid-stream and restarted. Every output of every stream finishes
 without an error and with exactly the tokens of an undisturbed in-process
 run; every block is free afterwards."""
 from __future__ import annotations
@@ -111,9 +112,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[Job], lis
     return model_dir, jobs, reference(model_dir, jobs)
 
 
-@pytest.mark.parametrize("mode", ["serve", "compose"])
-def test_scheduler_kill_9_resumes_parallel_sampling_and_beam_search(
-        setup: tuple[str, list[Job], list[Outputs]], mode: str, tmp_path: os.PathLike[str]) -> None:
+# The scheduler is the case the frontend resumes; after a worker or blockmgr kill the scheduler does.
+@pytest.mark.parametrize("mode,victim", [("serve", "scheduler"), ("compose", "scheduler"), ("serve", "gpuworker"),
+                                         ("serve", "blockmgr")])
+def test_kill_9_resumes_parallel_sampling_and_beam_search(
+        setup: tuple[str, list[Job], list[Outputs]], mode: str, victim: str, tmp_path: os.PathLike[str]) -> None:
     model_dir, jobs, expected = setup
     need = sum(num_outputs(s) * -(-(len(p) + s["max_tokens"]) // BLOCK) for p, s in jobs)
     extra = ["--block-size", str(BLOCK), "--num-gpu-blocks", str(need // 2), "--max-num-seqs", "32"]
@@ -127,17 +130,17 @@ def test_scheduler_kill_9_resumes_parallel_sampling_and_beam_search(
             server = Server(None, c.addr, c.pids, c.log)  # type: ignore[arg-type]  # what the helpers read
         streams, threads = run_streams(server, jobs)
         wait_for(lambda: sum(s.num_tokens for s in streams) >= total // 4, 90, "a quarter of the tokens")
-        os.kill(server.pids["scheduler"], signal.SIGKILL)
+        os.kill(server.pids[victim], signal.SIGKILL)
         # Taken right after the kill: what had streamed is what the frontend must continue from.
         mid = [i for i in sampled if num_outputs(jobs[i][1]) > 1 and streams[i].num_tokens
                and len(streams[i].reasons) < num_outputs(jobs[i][1])]
         beams_open = [i for i, (_, s) in enumerate(jobs) if "beam_width" in s and not streams[i].reasons]
         if mode == "serve":
-            server.pids["scheduler"] = restarted_pid(server, "scheduler")
+            server.pids[victim] = restarted_pid(server, victim)
         else:
-            c.procs["scheduler"].wait(10)
+            c.procs[victim].wait(10)
             time.sleep(1.0)  # compose's restart delay
-            c.start("scheduler")
+            c.start(victim)
         for t in threads:
             t.join(180)
         log = "".join(server.log)
@@ -150,7 +153,8 @@ def test_scheduler_kill_9_resumes_parallel_sampling_and_beam_search(
         wait_all_free(server)
     assert mid, "no n > 1 stream was mid-way at the kill"
     assert beams_open, "every beam search had finished before the kill"
-    assert re.search(r"scheduler back: \d+ requests resumed", log), "no resume in the log"
+    done = r"scheduler back: \d+ requests resumed" if victim == "scheduler" else r"recovered in [\d.]+s"
+    assert re.search(done, log), "no recovery in the log"
     assert [s.error for s in streams] == [None] * len(jobs)
     for i, (st, want) in enumerate(zip(streams, expected)):
         assert st.outputs == want, f"request {i} ({jobs[i][1]}) differs from the undisturbed run"
