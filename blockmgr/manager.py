@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from pagedserve.blockmgr.block_pool import Block, BlockPool
 from pagedserve.blockmgr.prefix_cache import hash_block, lookup_prefix, root_key
-from pagedserve.blockmgr.seq_table import BlockManagerError, SeqTable, StepStart
+from pagedserve.blockmgr.seq_table import BlockManagerError, SeqTable
 from pagedserve.blockmgr.swap import SwapOps
 from pagedserve.common.blocks import NULL_BLOCK, NUM_RESERVED_GPU_BLOCKS, cdiv, usable_gpu_blocks
 from pagedserve.common.messages.blockmgr import (
@@ -236,8 +236,9 @@ class BlockManager(SwapOps):
         table = s.table
         nt = s.num_tokens
         result: SeqResult | None = None
-        if s.start_of(self._step_no) is None:
-            s.step_start = StepStart(self._step_no, nt, s.last_key, list(s.tail))
+        st = s.step_start
+        if st is None or st[0] != self._step_no:  # the first Append of this step: snapshot (seq_table.StepStart)
+            s.step_start = (self._step_no, nt, s.last_key, list(s.tail))
         if nt + k > len(table) * bs or (nt % bs and table[-1].ref_cnt > 1):
             gpu = self.gpu
             cow = nt % bs != 0 and table[-1].ref_cnt > 1
@@ -284,7 +285,7 @@ class BlockManager(SwapOps):
             ref(b)
         start = p.start_of(self._step_no)
         self.seqs[child_seq_id] = SeqTable(list(p.table), p.num_tokens, list(p.tail), p.last_key,
-                                           step_start=start and start._replace(tail=list(start.tail)))
+                                           step_start=None if start is None else (start[0], start[1], start[2], list(start[3])))
         return SeqResult(child_seq_id, _OK, 0, [b.block_id for b in p.table])
 
     def free(self, seq_id: int) -> None:

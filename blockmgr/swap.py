@@ -44,21 +44,22 @@ class SwapOps:
         """Blocks a swap-out keeps: those holding tokens from before this
         step's Appends (a sequence swapped out does not run this step)."""
         start = s.start_of(self._step_no)
-        return cdiv(start.num_tokens, self.block_size) if start is not None else len(s.table)
+        return cdiv(start[1], self.block_size) if start is not None else len(s.table)
 
     def _rollback_step(self, s: SeqTable) -> None:
         """Give back the slots this step's Appends reserved for ``s``."""
         start = s.start_of(self._step_no)
         if start is None:
             return
+        _, nt0, key0, tail0 = start
         bs = self.block_size
-        keep = cdiv(start.num_tokens, bs)
-        for b in s.table[start.num_tokens // bs:s.num_tokens // bs]:
+        keep = cdiv(nt0, bs)
+        for b in s.table[nt0 // bs:s.num_tokens // bs]:
             b.pending_hash = None  # filled by tokens that will not be computed
         for b in reversed(s.table[keep:]):
             self.gpu.unref(b)
         del s.table[keep:]
-        s.num_tokens, s.last_key, s.tail = start.num_tokens, start.last_key, start.tail
+        s.num_tokens, s.last_key, s.tail = nt0, key0, tail0
         s.step_start = None
 
     def _existing(self, b: Block, dst: BlockPool) -> Block | None:

@@ -87,7 +87,12 @@ class SeqStates:
         pool.swap_out(step.swap_out)
         pool.swap_in(step.swap_in)
         pool.copy(step.copies)
-        return [(self.get(s.seq_id), s.num_tokens) for s in step.scheduled]
+        seqs = self.seqs
+        try:  # the hot path: one lookup per scheduled sequence, no call
+            return [(seqs[s.seq_id], s.num_tokens) for s in step.scheduled]
+        except KeyError as e:
+            self.get(e.args[0])  # raises the protocol error
+            raise
 
     def finish_step(self, scheduled: list[tuple[SeqState, int]], sampled: list[SampledToken]) -> None:
         """After the forward: the scheduled tokens are computed, the sampled ones appended."""
