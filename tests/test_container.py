@@ -162,6 +162,92 @@ def test_image_is_production_shaped(podman_env: dict[str, str], image: Built) ->
     assert import_errors == "0"
 
 
+# ---------------------------------------------------------------- Kubernetes manifests
+def test_kube_play_manifests_answer(podman_env: dict[str, str], image: Built,
+                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`podman kube play` of deploy/k8s/pagedserve.yaml (ConfigMap, Deployment of one pod with
+    the four containers, Service) with the Secret from make-curve-secret.sh; the embedded
+    SmolLM2 (converted inside the pod) answers greedy tokens equal to transformers."""
+    from test_e2e import hf_greedy, tokenize
+
+    from pagedserve.client import GenerationClient
+    from pagedserve.common.default_model import resolve_model
+
+    manifest = ROOT / "deploy" / "k8s" / "pagedserve.yaml"
+    secret = tmp_path_factory.mktemp("kube") / "curve-keys.yaml"
+    r = subprocess.run([str(ROOT / "deploy" / "k8s" / "make-curve-secret.sh")], capture_output=True, text=True,
+                       env={**podman_env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    secret.write_text(r.stdout)
+    folder = resolve_model(None)
+    prompt = "The capital of France is"
+    expected = hf_greedy(folder, tokenize(folder, prompt), 8)
+    pod, keys = "pagedserve-pod-0", "pagedserve-curve-keys"
+    # podman 4.3 kube play publishes every containerPort on the host (HostPort = containerPort).
+    busy = []
+    for port in (50051, 8000, 9090, 9091, 9092, 9093):
+        with socket.socket() as sk:
+            if sk.connect_ex(("127.0.0.1", port)) == 0:
+                busy.append(port)
+    if busy:
+        pytest.skip(f"host ports {busy} are in use: podman kube play publishes the pod's containerPorts there")
+    before = {k: set(podman(podman_env, k, "ls", "--format", "{{.Name}}").split()) for k in ("volume", "network")}
+    try:
+        podman(podman_env, "kube", "play", str(secret))
+        # podman 4.3.1 mounts a Secret volume as the named volume of the Secret's name, empty for
+        # stringData (and with the base64 text undecoded for data): fill that volume with the
+        # Secret's keys first. Kubernetes mounts the Secret itself.
+        data = yaml.safe_load(secret.read_text())["stringData"]
+        podman(podman_env, "volume", "create", keys)
+        for fname, text in data.items():
+            r = subprocess.run(["podman", "run", "--rm", "-i", "-v", f"{keys}:/keys", "--entrypoint", "/bin/sh",
+                                image.image, "-c", f"umask 077; cat > /keys/{fname}"], input=text, text=True,
+                               capture_output=True, env=podman_env, timeout=120)
+            assert r.returncode == 0, r.stderr
+        podman(podman_env, "kube", "play", str(manifest), timeout=300)
+        infra = json.loads(podman(podman_env, "pod", "inspect", pod))
+        infra = infra[0] if isinstance(infra, list) else infra
+        nets = json.loads(podman(podman_env, "inspect", infra["InfraContainerID"]))[0]["NetworkSettings"]["Networks"]
+        ip = next(iter(nets.values()))["IPAddress"]
+        assert ip, f"the pod has no address on the podman network: {nets}"
+
+        def logs() -> str:
+            return "\n".join(f"--- {s}\n" + podman(podman_env, "logs", "--tail", "30", f"{pod}-{s}", check=False)
+                             for s in COMPONENTS)
+
+        t0 = time.monotonic()
+        wait_serving(f"{ip}:50051", 900, logs)
+        print(f"\nkube play: SERVING {time.monotonic() - t0:.1f} s after play (model converted in the pod)")
+        with GenerationClient(f"{ip}:50051") as c:
+            ids, text, _ = c.generate(prompt, max_tokens=8, temperature=0.0, timeout=120)
+        assert ids == expected, text
+        status, body = http_json(f"http://{ip}:8000/v1/completions", {"prompt": prompt, "max_tokens": 8,
+                                                                      "temperature": 0})
+        assert status == 200 and body["choices"][0]["text"] == text
+        _, metrics = http_json(f"http://{ip}:8000/metrics")
+        assert "vllm:num_requests_waiting{" in metrics
+        for s in COMPONENTS:
+            hc = subprocess.run(["podman", "healthcheck", "run", f"{pod}-{s}"], capture_output=True, text=True,
+                                env=podman_env, timeout=60)
+            assert hc.returncode == 0, f"{s} liveness probe: {hc.stdout}{hc.stderr}"
+    finally:
+        podman(podman_env, "kube", "down", str(manifest), check=False, timeout=180)
+        podman(podman_env, "kube", "down", str(secret), check=False)
+        podman(podman_env, "secret", "rm", keys, check=False)
+        podman(podman_env, "volume", "rm", keys, check=False)
+        for net in set(podman(podman_env, "network", "ls", "--format", "{{.Name}}").split()) - before["network"]:
+            podman(podman_env, "network", "rm", net, check=False)  # the kube network, if play made it
+    left = {
+        "pods": [p for p in podman(podman_env, "pod", "ls", "--format", "{{.Name}}").split() if p.startswith("pagedserve")],
+        "containers": [n for n in podman(podman_env, "ps", "-a", "--format", "{{.Names}}").split()
+                       if n.startswith("pagedserve-pod")],
+        "volumes": sorted(set(podman(podman_env, "volume", "ls", "--format", "{{.Name}}").split()) - before["volume"]),
+        "secrets": [s for s in podman(podman_env, "secret", "ls", "--format", "{{.Name}}").split()
+                    if s.startswith("pagedserve")],
+    }
+    assert left == {"pods": [], "containers": [], "volumes": [], "secrets": []}, left
+
+
 # ---------------------------------------------------------------- compose
 @pytest.fixture(scope="session")
 def tiny_model() -> Iterator[str]:
@@ -212,8 +298,8 @@ class Project:
             "volumes": podman(self.env, "volume", "ls", "--format", "{{.Name}}"),
             "networks": podman(self.env, "network", "ls", "--format", "{{.Name}}"),
         }
-        return {k: [n for n in v.split() if n.startswith(self.name) or k in ("containers", "pods")]
-                for k, v in names.items()}
+        names["pods"] += podman(self.env, "pod", "ls", "--format", "{{.Name}}")  # podman-compose's pod_NAME
+        return {k: sorted({n for n in v.split() if self.name in n or k == "containers"}) for k, v in names.items()}
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +383,10 @@ def test_compose_health_checks_reflect_readiness(project: Project) -> None:
         r = subprocess.run(["podman", "healthcheck", "run", c], capture_output=True, text=True, env=project.env,
                            timeout=60)
         assert r.returncode == 0, f"{s}: {r.stdout}{r.stderr}"
+        # The image's own HEALTHCHECK (no arguments: the role read from PID 1) agrees.
+        r = subprocess.run(["podman", "exec", c, "pagedserve", "healthcheck"], capture_output=True, text=True,
+                           env=project.env, timeout=60)
+        assert r.returncode == 0, f"{s}: {r.stdout}{r.stderr}"
         cfg = json.loads(podman(project.env, "inspect", c))[0]
         assert cfg["HostConfig"]["RestartPolicy"]["Name"] == "unless-stopped", s
         assert cfg["Config"]["User"].startswith("10001"), s
@@ -348,89 +438,3 @@ def test_compose_killed_container_restarts_and_streams_finish(project: Project, 
     assert [s.tokens for s in streams] == expected
     wait_serving(project.addr, 120, project.logs)
     wait_all_free(server)
-
-
-# ---------------------------------------------------------------- Kubernetes manifests
-def test_kube_play_manifests_answer(podman_env: dict[str, str], image: Built,
-                                    tmp_path_factory: pytest.TempPathFactory) -> None:
-    """`podman kube play` of deploy/k8s/pagedserve.yaml (ConfigMap, Deployment of one pod with
-    the four containers, Service) with the Secret from make-curve-secret.sh; the embedded
-    SmolLM2 (converted inside the pod) answers greedy tokens equal to transformers."""
-    from test_e2e import hf_greedy, tokenize
-
-    from pagedserve.client import GenerationClient
-    from pagedserve.common.default_model import resolve_model
-
-    manifest = ROOT / "deploy" / "k8s" / "pagedserve.yaml"
-    secret = tmp_path_factory.mktemp("kube") / "curve-keys.yaml"
-    r = subprocess.run([str(ROOT / "deploy" / "k8s" / "make-curve-secret.sh")], capture_output=True, text=True,
-                       env={**podman_env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}, timeout=120)
-    assert r.returncode == 0, r.stderr
-    secret.write_text(r.stdout)
-    folder = resolve_model(None)
-    prompt = "The capital of France is"
-    expected = hf_greedy(folder, tokenize(folder, prompt), 8)
-    pod, keys = "pagedserve-pod-0", "pagedserve-curve-keys"
-    # podman 4.3 kube play publishes every containerPort on the host (HostPort = containerPort).
-    busy = []
-    for port in (50051, 8000, 9090, 9091, 9092, 9093):
-        with socket.socket() as sk:
-            if sk.connect_ex(("127.0.0.1", port)) == 0:
-                busy.append(port)
-    if busy:
-        pytest.skip(f"host ports {busy} are in use: podman kube play publishes the pod's containerPorts there")
-    before = {k: set(podman(podman_env, k, "ls", "--format", "{{.Name}}").split()) for k in ("volume", "network")}
-    try:
-        podman(podman_env, "kube", "play", str(secret))
-        # podman 4.3.1 mounts a Secret volume as the named volume of the Secret's name, empty for
-        # stringData (and with the base64 text undecoded for data): fill that volume with the
-        # Secret's keys first. Kubernetes mounts the Secret itself.
-        data = yaml.safe_load(secret.read_text())["stringData"]
-        podman(podman_env, "volume", "create", keys)
-        for fname, text in data.items():
-            r = subprocess.run(["podman", "run", "--rm", "-i", "-v", f"{keys}:/keys", "--entrypoint", "/bin/sh",
-                                image.image, "-c", f"umask 077; cat > /keys/{fname}"], input=text, text=True,
-                               capture_output=True, env=podman_env, timeout=120)
-            assert r.returncode == 0, r.stderr
-        podman(podman_env, "kube", "play", str(manifest), timeout=300)
-        infra = json.loads(podman(podman_env, "pod", "inspect", pod))
-        infra = infra[0] if isinstance(infra, list) else infra
-        nets = json.loads(podman(podman_env, "inspect", infra["InfraContainerID"]))[0]["NetworkSettings"]["Networks"]
-        ip = next(iter(nets.values()))["IPAddress"]
-        assert ip, f"the pod has no address on the podman network: {nets}"
-
-        def logs() -> str:
-            return "\n".join(f"--- {s}\n" + podman(podman_env, "logs", "--tail", "30", f"{pod}-{s}", check=False)
-                             for s in COMPONENTS)
-
-        t0 = time.monotonic()
-        wait_serving(f"{ip}:50051", 900, logs)
-        print(f"\nkube play: SERVING {time.monotonic() - t0:.1f} s after play (model converted in the pod)")
-        with GenerationClient(f"{ip}:50051") as c:
-            ids, text, _ = c.generate(prompt, max_tokens=8, temperature=0.0, timeout=120)
-        assert ids == expected, text
-        status, body = http_json(f"http://{ip}:8000/v1/completions", {"prompt": prompt, "max_tokens": 8,
-                                                                      "temperature": 0})
-        assert status == 200 and body["choices"][0]["text"] == text
-        _, metrics = http_json(f"http://{ip}:8000/metrics")
-        assert "vllm:num_requests_waiting{" in metrics
-        for s in COMPONENTS:
-            hc = subprocess.run(["podman", "healthcheck", "run", f"{pod}-{s}"], capture_output=True, text=True,
-                                env=podman_env, timeout=60)
-            assert hc.returncode == 0, f"{s} liveness probe: {hc.stdout}{hc.stderr}"
-    finally:
-        podman(podman_env, "kube", "down", str(manifest), check=False, timeout=180)
-        podman(podman_env, "kube", "down", str(secret), check=False)
-        podman(podman_env, "secret", "rm", keys, check=False)
-        podman(podman_env, "volume", "rm", keys, check=False)
-        for net in set(podman(podman_env, "network", "ls", "--format", "{{.Name}}").split()) - before["network"]:
-            podman(podman_env, "network", "rm", net, check=False)  # the kube network, if play made it
-    left = {
-        "pods": podman(podman_env, "pod", "ls", "--format", "{{.Name}}").split(),
-        "containers": [n for n in podman(podman_env, "ps", "-a", "--format", "{{.Names}}").split()
-                       if n.startswith("pagedserve-pod")],
-        "volumes": sorted(set(podman(podman_env, "volume", "ls", "--format", "{{.Name}}").split()) - before["volume"]),
-        "secrets": [s for s in podman(podman_env, "secret", "ls", "--format", "{{.Name}}").split()
-                    if s.startswith("pagedserve")],
-    }
-    assert left == {"pods": [], "containers": [], "volumes": [], "secrets": []}, left
