@@ -108,7 +108,8 @@ class EngineConfig:
 
 def worker_threads() -> int | None:
     """PAGEDSERVE_WORKER_THREADS: threads of the CPU worker (None: one per core).
-    Also read, before torch loads, by gpuworker/cpu_affinity.py to pin them."""
+    Read here for both users: gpuworker/cpu_affinity.py (before torch loads, to
+    pin them) and the worker service (torch's thread count)."""
     return env_int("WORKER_THREADS", None)
 
 

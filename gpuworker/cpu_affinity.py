@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pagedserve.common.config import add_engine_args, env_flag  # no torch there
+from pagedserve.common.config import add_engine_args, env_flag, worker_threads  # no torch there
 
 ENV = "WORKER_BIND"  # PAGEDSERVE_WORKER_BIND=0: leave thread placement to the OS
 
@@ -31,8 +31,8 @@ def bind_worker_threads(argv: list[str]) -> list[int]:
     if args.device != "cpu" or args.tensor_parallel_size != 1:
         return []  # GPU workers, or ranks that would pin onto the same cores
     cores = sorted(os.sched_getaffinity(0))
-    threads = os.environ.get("PAGEDSERVE_WORKER_THREADS")
+    threads = worker_threads()
     if threads:
-        cores = cores[: max(1, int(threads))]
+        cores = cores[: max(1, threads)]
     os.environ["GOMP_CPU_AFFINITY"] = " ".join(map(str, cores))
     return cores
