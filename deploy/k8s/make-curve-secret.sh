@@ -16,7 +16,7 @@ elif [ -x "$here/.venv/bin/pagedserve" ]; then
   "$here/.venv/bin/pagedserve" keygen "$dir/k" >/dev/null
 else
   mkdir -p "$dir/k" && chmod 777 "$dir/k"
-  podman run --rm --runtime runc -v "$dir/k:/out" --entrypoint /bin/sh "${PAGEDSERVE_IMAGE:-localhost/pagedserve:latest}" \
+  podman run --rm -v "$dir/k:/out" --entrypoint /bin/sh "${PAGEDSERVE_IMAGE:-localhost/pagedserve:latest}" \
     -c 'pagedserve keygen /tmp/k >/dev/null && cp /tmp/k/* /out/'
 fi
 indent() { sed 's/^/    /'; }
