@@ -7,6 +7,7 @@
 #   scripts/build-image.sh --bake-model         # + the converted SmolLM2 inside
 #   scripts/build-image.sh --variant cuda       # CUDA torch (needs a CUDA torch wheel in reach)
 #   scripts/build-image.sh --git-ref HEAD       # build a commit (git archive), not the working tree
+#   scripts/build-image.sh --prune              # then remove untagged images (older builds' stages)
 #
 # Environment: PAGEDSERVE_IMAGE (default pagedserve:latest), PAGEDSERVE_BASE_IMAGE
 # (default localhost/pagedserve-base:bookworm), DEBIAN_SUITE (bookworm: its
@@ -24,13 +25,15 @@ VARIANT=cpu
 BAKE=0
 REBUILD_BASE=0
 GIT_REF="${PAGEDSERVE_BUILD_REF:-}"
+PRUNE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --variant) VARIANT="$2"; shift 2 ;;
     --bake-model) BAKE=1; shift ;;
     --rebuild-base) REBUILD_BASE=1; shift ;;
     --git-ref) GIT_REF="$2"; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    --prune) PRUNE=1; shift ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "build-image.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -117,3 +120,7 @@ start=$(date +%s)
 end=$(date +%s)
 size="$("$PODMAN" image inspect --format '{{.Size}}' "$IMAGE")"
 echo "build-image.sh: built $IMAGE in $((end - start)) s, $((size / 1000000)) MB"
+if [ "$PRUNE" = 1 ]; then
+  # Each build leaves its stages as untagged images (about 5 GB): the layer cache of the next build.
+  "$PODMAN" image prune -f >/dev/null
+fi

@@ -57,7 +57,7 @@ pytestmark = [pytest.mark.container, pytest.mark.slow]
 def _skip_reason() -> str | None:
     if os.environ.get(OPT_IN) != "1":
         return (f"container tests are opt-in: {OPT_IN}=1 (builds the image with podman and starts the "
-                "compose services and the Kubernetes manifests; about 10 min)")
+                "compose services and the Kubernetes manifests; about 5 min)")
     if shutil.which("podman") is None:
         return "podman is not installed (scripts/build-image.sh installs it with apt-get)"
     if os.geteuid() != 0:
