@@ -33,7 +33,7 @@ while [ $# -gt 0 ]; do
     --rebuild-base) REBUILD_BASE=1; shift ;;
     --git-ref) GIT_REF="$2"; shift 2 ;;
     --prune) PRUNE=1; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "build-image.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done

@@ -413,7 +413,7 @@ def test_compose_health_checks_reflect_readiness(project: Project) -> None:
     wait_serving(project.addr, 300, project.logs)
 
 
-@pytest.mark.parametrize("victim", ["gpuworker", "scheduler"])
+@pytest.mark.parametrize("victim", ["gpuworker", "blockmgr", "scheduler"])
 def test_compose_killed_container_restarts_and_streams_finish(project: Project, tiny_model: str,
                                                               victim: str) -> None:
     """SIGKILL to the component's process (a crash, not `podman stop`): the restart policy
