@@ -169,6 +169,29 @@ def test_image_is_production_shaped(podman_env: dict[str, str], image: Built) ->
     assert import_errors == "0"
 
 
+def test_image_default_command_serves_and_stops_cleanly(podman_env: dict[str, str], image: Built) -> None:
+    """`podman run IMAGE`: the default command (`serve --host 0.0.0.0`, all four components
+    over ipc:// in one container) serves the embedded SmolLM2, the image's own health check
+    (role `serve`: gRPC health) passes, and SIGTERM stops it with exit status 0."""
+    name, port = f"pstest-serve-{os.getpid()}", free_port()
+    podman(podman_env, "run", "-d", "--name", name, "-p", f"127.0.0.1:{port}:8000", image.image)
+    try:
+        deadline = time.monotonic() + 300
+        while subprocess.run(["podman", "healthcheck", "run", name], capture_output=True, env=podman_env,
+                             timeout=60).returncode != 0:
+            assert time.monotonic() < deadline, podman(podman_env, "logs", "--tail", "40", name, check=False)
+            time.sleep(2)
+        status, body = http_json(f"http://127.0.0.1:{port}/v1/completions",
+                                 {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0})
+        assert status == 200 and "Paris" in body["choices"][0]["text"], body
+        podman(podman_env, "stop", "-t", "60", name, timeout=120)
+        state = json.loads(podman(podman_env, "inspect", name))[0]["State"]
+        assert state["ExitCode"] == 0, podman(podman_env, "logs", "--tail", "40", name, check=False)
+    finally:
+        podman(podman_env, "rm", "-f", name, check=False)
+    assert name not in podman(podman_env, "ps", "-a", "--format", "{{.Names}}").split()
+
+
 # ---------------------------------------------------------------- Kubernetes manifests
 def test_kube_play_manifests_answer(podman_env: dict[str, str], image: Built,
                                     tmp_path_factory: pytest.TempPathFactory) -> None:
