@@ -33,6 +33,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -436,6 +437,25 @@ def test_compose_health_checks_reflect_readiness(project: Project) -> None:
     wait_serving(project.addr, 300, project.logs)
 
 
+@contextmanager
+def torch_cpu_path() -> Iterator[None]:
+    """The in-process reference on the torch ops, not the compiled CPU kernel: independent
+    of the image's code path, and of a kernel being edited in this working tree meanwhile."""
+    from pagedserve.kernels import cpu_build
+
+    old = os.environ.get(cpu_build.DISABLE_ENV)
+    os.environ[cpu_build.DISABLE_ENV] = "0"
+    cpu_build.load.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(cpu_build.DISABLE_ENV, None)
+        else:
+            os.environ[cpu_build.DISABLE_ENV] = old
+        cpu_build.load.cache_clear()
+
+
 @pytest.mark.parametrize("victim", ["gpuworker", "blockmgr", "scheduler"])
 def test_compose_killed_container_restarts_and_streams_finish(project: Project, tiny_model: str,
                                                               victim: str) -> None:
@@ -445,7 +465,8 @@ def test_compose_killed_container_restarts_and_streams_finish(project: Project, 
     from test_chaos import kill_midway, longest_stall, reference, run_streams, wait_for, workload  # noqa: F401
 
     jobs = workload()
-    expected = reference(tiny_model, jobs)
+    with torch_cpu_path():
+        expected = reference(tiny_model, jobs)
     server = Server(None, project.addr, {}, [])  # type: ignore[arg-type]  # what the helpers read
     c = project.container(victim)
     before = json.loads(podman(project.env, "inspect", c))[0]
