@@ -22,7 +22,10 @@ from pagedserve.scheduler.engine import ComponentError, EngineCore, IpcClient, P
 from pagedserve.scheduler.frontend_link import FrontendLink
 
 log = logging.getLogger("pagedserve.scheduler")
-STARTUP_REFUSALS = 100  # wrong_peer answers tolerated at start-up, 0.1 s apart
+# wrong_peer answers are tolerated at start-up for longer than a tcp peer takes
+# to count a silent (killed) predecessor as gone, so a restarted scheduler waits
+# for the components to release it instead of exiting and being restarted again.
+STARTUP_REFUSAL_S = ipc.HEARTBEAT_TIMEOUT_MS / 1000 + 5.0
 
 
 def _handle(core: EngineCore, msg: fe.Request) -> fe.Reply | None:
@@ -98,12 +101,15 @@ def main(argv: list[str]) -> int:
     worker = IpcClient(ctx, addrs.worker, wk.Reply, timeout_s=args.step_timeout, stop=lambda: bool(stop))
     try:
         core = None
-        for _ in range(STARTUP_REFUSALS):
+        refusals_until = time.monotonic() + STARTUP_REFUSAL_S
+        refused = 0
+        while core is None and not stop and time.monotonic() < refusals_until:
             try:
                 core = EngineCore(cfg, blockmgr, worker, init_timeout_s=args.init_timeout)
-                break
             except PeerRefused as e:  # our predecessor's connection is still closing
-                log.warning("start-up: %s; retrying", e)
+                if refused % 20 == 0:  # every 2 s, not every try
+                    log.warning("start-up: %s; retrying", e)
+                refused += 1
                 time.sleep(0.1)
             except ComponentError as e:
                 log.error("start-up failed: %s", e)
