@@ -89,3 +89,43 @@ def test_chart_without_matplotlib_is_skipped_not_fatal(tmp_path: Path, monkeypat
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
     assert peers._chart(tmp_path / "c.png", {}) is None
     assert "matplotlib is not installed" in capsys.readouterr().out and not (tmp_path / "c.png").exists()
+
+
+def test_set_paused_stops_and_continues_a_whole_process_tree() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from pagedserve.bench.peer_engines import process_tree, set_paused
+
+    # A parent with a child in its own session, as serve's components are.
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+            "start_new_session=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+
+    class Eng:
+        def pids(self) -> list[int]:
+            return [parent.pid]
+
+    def states() -> list[str]:
+        out = []
+        for pid in process_tree(parent.pid):
+            with open(f"/proc/{pid}/stat") as f:
+                out.append(f.read().rsplit(")", 1)[1].split()[0])
+        return out
+
+    try:
+        deadline = time.monotonic() + 10
+        while len(process_tree(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(process_tree(parent.pid)) == 2
+        set_paused(Eng(), True)
+        time.sleep(0.2)
+        assert states() == ["T", "T"]  # stopped, the child too
+        set_paused(Eng(), False)
+        time.sleep(0.2)
+        assert "T" not in states()
+    finally:
+        for pid in reversed(process_tree(parent.pid)):
+            subprocess.run(["kill", "-9", str(pid)])
+        parent.wait()

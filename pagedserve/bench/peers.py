@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pagedserve.bench.peer_engines import PEERS_VENV, Engine, HFEngine, PagedserveEngine, VllmEngine, Work
+from pagedserve.bench.peer_engines import (PEERS_VENV, Engine, HFEngine, PagedserveEngine, VllmEngine, Work,
+                                           set_paused)
 from pagedserve.bench.workloads import machine_info, sample_lengths, synthetic_prompt
 
 # Output/prompt scale per workload: ShareGPT x0.25 keeps a CPU run to minutes
@@ -173,9 +174,12 @@ def main(argv: list[str]) -> int:
         names = [e for e in names if e in engines]
         times = {w: {e: [] for e in names} for w in wls}
         outputs: dict[str, dict[str, list[list[list[int]]]]] = {w: {e: [] for e in names} for w in wls}
+        print("bench peers: the engines not being measured are paused (SIGSTOP)", file=sys.stderr, flush=True)
         for r in range(args.repeats):
             for w in wls:
                 for e in rotated(names, r):
+                    for other in names:
+                        set_paused(engines[other], other != e)
                     dt, ids = engines[e].run(w)
                     times[w][e].append(dt)
                     outputs[w][e].append(ids)
@@ -183,6 +187,7 @@ def main(argv: list[str]) -> int:
                           flush=True)
     finally:
         for eng in engines.values():
+            set_paused(eng, False)  # a stopped process would not see its close
             eng.close()
 
     summary = _summarize(times, work, names)
