@@ -19,3 +19,51 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---------------------------------------------------------------- container tests
+# Here, not in tests/container_util.py, so that test_container.py and
+# test_container_compose.py share one session image build.
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+from container_util import IMAGE, ROOT, Built, _skip_reason, podman  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def podman_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    conf = tmp_path_factory.mktemp("podman") / "containers.conf"
+    # Debian's podman as root on this kind of host: crun fails on setrlimit and hybrid
+    # cgroups, runc works; the default nofile/nproc limits are refused, 4096 is not.
+    lines = ["[containers]", 'default_ulimits = ["nofile=4096:4096", "nproc=4096:4096"]']
+    if shutil.which("runc"):
+        lines += ["[engine]", 'runtime = "runc"']
+    conf.write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "CONTAINERS_CONF": str(conf)}
+    info = subprocess.run(["podman", "info", "--format", "{{.Host.OCIRuntime.Name}}"], capture_output=True,
+                          text=True, env=env, timeout=60)
+    if info.returncode != 0:
+        pytest.skip(f"podman is not usable here: {info.stderr.strip()[-300:]}")
+    return env
+
+
+@pytest.fixture(scope="session")
+def image(podman_env: dict[str, str]) -> Built:
+    """scripts/build-image.sh (cached layers are reused; a source change rebuilds the last ones)."""
+    if os.environ.get("PAGEDSERVE_CONTAINER_NO_BUILD") == "1" and \
+            subprocess.run(["podman", "image", "exists", IMAGE], env=podman_env).returncode == 0:
+        size = int(podman(podman_env, "image", "inspect", "--format", "{{.Size}}", IMAGE).strip())
+        print(f"\nimage {IMAGE}: not rebuilt (PAGEDSERVE_CONTAINER_NO_BUILD=1)")
+        return Built(IMAGE, 0.0, size)
+    t0 = time.monotonic()
+    r = subprocess.run(["nice", "-n", "10", str(ROOT / "scripts" / "build-image.sh")], capture_output=True,
+                       text=True, env={**podman_env, "PAGEDSERVE_IMAGE": IMAGE}, timeout=3600, cwd=ROOT)
+    assert r.returncode == 0, f"image build failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    built = Built(IMAGE, time.monotonic() - t0,
+                  int(podman(podman_env, "image", "inspect", "--format", "{{.Size}}", IMAGE).strip()))
+    print(f"\nimage {IMAGE}: built in {built.build_s:.0f} s, {built.size_bytes / 1e9:.2f} GB")
+    return built
