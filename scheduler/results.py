@@ -139,7 +139,11 @@ class Results:
         hit = {self._seq_group[s.seq_id].request_id for s, _ in plan.scheduled.values()}
         for rid in hit:
             group = self.groups[rid]
-            self.running.remove(group)
+            # Normally running; a protocol error (a sequence the worker does not
+            # hold) can name a group elsewhere, and failing it must not crash the loop.
+            for queue in (self.running, self.waiting, self.swapped):
+                if group in queue:
+                    queue.remove(group)
             self._finish_group(group, FinishReason.ERROR, message)
         return self.take_deltas()
 
