@@ -45,7 +45,11 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def test_every_listed_series_is_exposed(ms: tuple[Server, dict[str, int]]) -> None:
-    m = scrape(ms[1]["frontend"])
+    # The engine's series appear once the frontend has the engine's first stats
+    # (the health watch asks every 0.2 s here); a scrape at start-up can come first.
+    deadline = time.monotonic() + 10
+    while "pagedserve:num_requests_running" not in (m := scrape(ms[1]["frontend"])) and time.monotonic() < deadline:
+        time.sleep(0.1)
     for name in LISTED:
         assert "pagedserve:" + name in m, name
         # vLLM's name too, labelled with the served name (here: the folder given)
