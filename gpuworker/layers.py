@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
         """Returns (normed, new residual); with ``residual`` given, adds it first
         (the fused add+norm of every pre-norm decoder layer). On the CPU path
         one compiled pass, which writes the sum into ``residual``."""
-        fused = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps) if x.device.type == "cpu" else None
+        fused = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
         if fused is not None:
             return fused
         if residual is not None:
@@ -161,7 +161,7 @@ class PagedAttention(nn.Module):
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    fused = cpu_ops.silu_and_mul(x) if x.device.type == "cpu" else None
+    fused = cpu_ops.silu_and_mul(x)
     if fused is not None:
         return fused
     gate, up = x.chunk(2, dim=-1)

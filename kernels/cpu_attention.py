@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from pagedserve.kernels import cpu_build
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# The compiled library's dtype argument (every entry point, cpu_ops.py's too, takes it first).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def paged_attention_cpu(
@@ -33,7 +34,7 @@ def paged_attention_cpu(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     lib = cpu_build.load()
-    code = _DTYPE_CODES.get(q.dtype)
+    code = DTYPE_CODES.get(q.dtype)
     if lib is None or code is None or q.device.type != "cpu" or k_cache.dtype != q.dtype:
         return paged_attention_sdpa(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:

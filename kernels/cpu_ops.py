@@ -10,18 +10,16 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels import cpu_build
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+from pagedserve.kernels.cpu_attention import DTYPE_CODES
 
 
 def _code(*tensors: torch.Tensor) -> int | None:
     """The library's dtype code when every tensor is a contiguous CPU tensor of one supported dtype."""
     dtype = tensors[0].dtype
-    if cpu_build.load() is None or dtype not in _DTYPE_CODES:
-        return None
-    if any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous() for t in tensors):
-        return None
-    return _DTYPE_CODES[dtype]
+    if dtype not in DTYPE_CODES or any(t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous()
+                                       for t in tensors):
+        return None  # checked first: a CUDA worker never builds the CPU library
+    return DTYPE_CODES[dtype] if cpu_build.load() is not None else None
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
+from e2e_util import venv_tool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,8 +44,7 @@ def podman(env: dict[str, str], *args: str, check: bool = True, timeout: float =
 
 
 def compose_binary() -> str:
-    exe = Path(sys.executable).with_name("podman-compose")
-    found = str(exe) if exe.exists() else shutil.which("podman-compose")
+    found = venv_tool("podman-compose")
     if found is None:
         pytest.skip("podman-compose is not installed (pip install podman-compose)")
     return found

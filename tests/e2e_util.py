@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,12 +15,19 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pagedserve.client import GenerationClient
 
 _SERVING = re.compile(r"serving .* on (\S+) \(pids (.*)\)")
 DRAIN_PATIENCE_S = 6.0  # the frontend stops in 1-3 s on a busy 2-core machine when nothing is in flight
+
+
+def venv_tool(name: str) -> str | None:
+    """An executable installed beside this Python (the venv's bin), else on PATH."""
+    exe = Path(sys.executable).with_name(name)
+    return str(exe) if exe.exists() else shutil.which(name)
 
 
 def free_port() -> int:

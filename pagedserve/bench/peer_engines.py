@@ -45,6 +45,12 @@ class Engine(Protocol):
         ...
 
 
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def process_tree(root: int) -> list[int]:
     """``root`` and every descendant, parents first (from /proc: pagedserve's
     components run in their own session, so a process group would miss them)."""
@@ -52,8 +58,7 @@ def process_tree(root: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                ppid = int(proc_stat(int(entry))[1])
             except (OSError, ValueError, IndexError):
                 continue  # gone meanwhile
             children.setdefault(ppid, []).append(int(entry))
@@ -99,7 +104,7 @@ class PagedserveEngine:
     def start(self) -> None:
         self.server = start_serve(self.serve_args, self.model)
         self.addr = self.server.grpc_addr
-        asyncio.run(self._generate([([1, 2, 3], 2)]))  # warm-up: first-step costs are not throughput
+        self._settle()  # warm-up: first-step costs are not throughput
 
     async def _generate(self, work: Work) -> list[list[int]]:
         from pagedserve.client import AsyncGenerationClient
