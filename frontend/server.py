@@ -47,6 +47,7 @@ GRPC_STATUS: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
     ErrorKind.KV_CACHE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 

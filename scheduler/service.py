@@ -35,7 +35,7 @@ def _handle(core: EngineCore, msg: fe.Request) -> fe.Reply | None:
     if isinstance(msg, fe.AddRequest) and (why := check_add(msg, core.ready.model)) is not None:
         ipc.note_dropped("scheduler_in", ValueError(f"AddRequest {msg.request_id[:64]!r} refused: {why}"))
         return fe.Outputs([fe.TokenDelta(msg.request_id, 0, [], "error", len(msg.prompt_token_ids),
-                                         f"invalid request: {why}")])
+                                         f"invalid request: {why}", error_kind=fe.ErrorKind.INVALID_REQUEST)])
     try:
         return core.handle(msg)
     except ComponentError:

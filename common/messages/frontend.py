@@ -20,6 +20,7 @@ class ErrorKind(enum.IntEnum):
     INTERNAL = 0
     KV_CACHE = 1  # the request can never fit in the KV pool
     UNAVAILABLE = 2  # the engine is gone, restarting or shutting down
+    INVALID_REQUEST = 3  # a field the scheduler refuses (scheduler/admission.check_add)
 
 
 class AddRequest(msgspec.Struct, tag=50, array_like=True):
