@@ -45,6 +45,7 @@ class Preemption:
         Blocks a victim releases may be shared, so this is an estimate; a
         retry that still finds no room comes back for another round."""
         ops: list[bm.Op] = []
+        retries: list[tuple[SequenceGroup, Sequence, int]] = []
         released = 0
         for seq, k in failed:
             group = self._seq_group[seq.seq_id]
@@ -64,8 +65,11 @@ class Preemption:
                 ops += self._preempt(plan, victim)
             if group.request_id not in plan.preempted:
                 released -= need
-                ops.append(self._append_op(seq, k))
-        return ops
+                retries.append((group, seq, k))
+        # A group preempted after one of its retries was queued (a later seq
+        # of it still found no room) is not retried: its Append would come back
+        # OK and schedule a sequence that was freed or swapped out.
+        return ops + [self._append_op(seq, k) for group, seq, k in retries if group.request_id not in plan.preempted]
 
     def _preempt(self, plan: StepPlan, group: SequenceGroup) -> list[bm.Op]:
         self.num_preemptions += 1

@@ -280,3 +280,36 @@ def test_prompt_logprobs_skip_the_prefix_lookup_and_counts_are_published() -> No
     new = {n.seq_id: n.num_computed_tokens for n in worker.steps[-1].new_seqs}
     assert sorted(new.values()) == [0, 16]  # the prompt-logprobs one computes everything
     assert core.counts.num_waiting == 0 and core.counts.num_steps == core.scheduler.num_steps  # both ran and finished
+
+
+def parallel_requests(seed: int) -> list[AddRequest]:
+    rng = random.Random(seed)
+    return [AddRequest(f"r{i}", [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 20))],
+                       SamplingParams(max_tokens=rng.randint(5, 40), temperature=0.0, n=rng.choice([1, 2, 3])), float(i))
+            for i in range(rng.randint(4, 12))]
+
+
+@pytest.mark.parametrize("seed,num_gpu_blocks,mode,num_cpu_blocks",
+                         [(24, 45, "recompute", 0), (24, 45, "swap", 100), (25, 60, "swap", 100)])
+def test_a_victim_whose_retry_was_queued_is_not_scheduled(seed: int, num_gpu_blocks: int, mode: str,
+                                                          num_cpu_blocks: int) -> None:
+    """Issue 11's intermittent bug, found in-process: two samples of the latest
+    group fail to append in one round; the first one's retry is queued, then
+    the second one's need preempts that very group. Its queued Append came
+    back OK and scheduled a sequence the worker had dropped ("unknown seq",
+    recompute) or whose blocks were swapped out (wrong K/V, swap). These
+    workloads hit it; each output must equal the oracle."""
+    core, worker, blocks = make_engine(num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, mode=mode, budget=64,
+                                       max_num_seqs=16)
+    reqs = parallel_requests(seed)
+    for r in reqs:
+        core.handle(r)
+    got: dict[tuple[str, int], list[int]] = {}
+    for d in core.run_until_idle():
+        assert d.error is None, d.error
+        got[(d.request_id, d.index)] = got.get((d.request_id, d.index), []) + d.token_ids
+    assert core.scheduler.num_preemptions > 0
+    for r in reqs:
+        for i in range(r.params.n):
+            assert got[(r.request_id, i)] == expected_output(r.prompt_token_ids, r.params.max_tokens, VOCAB)
+    assert_all_free(core, blocks)
