@@ -53,6 +53,8 @@ class EngineClient:
         self._book = ResumeBook()
         self._resume_timeout_s = resume_timeout_s  # a scheduler not back by then: streams end with an error
         self._resuming = False
+        self._resumed = asyncio.Event()  # clear while resuming: new requests wait for it
+        self._resumed.set()
         self._health_news = 0  # unsolicited health messages so far: a watchdog answer older than one is stale
         self._link: asyncio.Task[None] | None = None
         self._monitor: Any = None
@@ -114,6 +116,7 @@ class EngineClient:
         """NOT_SERVING until a scheduler answers again; then every open stream
         is re-sent with what it already streamed and continues."""
         self._resuming = True
+        self._resumed.clear()
         self._health_news += 1  # a watchdog query the old scheduler took with it is stale
         loop = asyncio.get_running_loop()
         try:
@@ -141,6 +144,7 @@ class EngineClient:
             self.fail_all("the engine is unavailable (scheduler lost)")
         finally:
             self._resuming = False
+            self._resumed.set()
             self._health_news += 1
 
     async def close(self) -> None:
@@ -208,15 +212,29 @@ class EngineClient:
     def num_streams(self) -> int:
         return len(self._streams)
 
+    @property
+    def resuming(self) -> bool:
+        """A restarted scheduler is being waited for: new requests wait too."""
+        return self._resuming
+
     async def add_request(self, req: fe.AddRequest) -> asyncio.Queue[Item]:
         if req.request_id in self._streams:
             raise DuplicateRequestId(req.request_id)
-        if not self.healthy:
+        if not self.healthy and not self._resuming:
             raise EngineUnavailable("the engine is unavailable")
         q: asyncio.Queue[Item] = asyncio.Queue()
         self._streams[req.request_id] = q
-        self._book.sent(req)
         try:
+            if self._resuming:
+                # Sent once the new scheduler has the resumed requests (not into
+                # the book before: the resume would send it a second time).
+                try:
+                    await asyncio.wait_for(self._resumed.wait(), self._resume_timeout_s)
+                except asyncio.TimeoutError:
+                    raise EngineUnavailable("the engine is unavailable (scheduler lost)") from None
+                if not self.healthy:
+                    raise EngineUnavailable("the engine is unavailable (scheduler lost)")
+            self._book.sent(req)
             await self._send(req)
         except BaseException:
             self._streams.pop(req.request_id, None)

@@ -218,7 +218,7 @@ class GenerationService:
 
     async def open(self, req: PreparedRequest, key_id: str | None = None) -> "RequestStream":
         """Admit and submit; raises ``Rejected``."""
-        if not self.engine.healthy:
+        if not self.engine.healthy and not self.engine.resuming:  # a restarting scheduler: it waits
             raise self.reject("unavailable", "the engine is unavailable")
         if self.admission.num_queued >= self.cfg.max_queued_requests:
             raise self.reject("queue_full", f"server busy: {self.admission.num_queued} requests queued "

@@ -117,3 +117,46 @@ def test_a_lost_scheduler_gets_the_streams_back_with_their_tokens(tmp_path: os.P
     assert got == [7, 8]  # the stream saw each token once
     assert again.prompt_token_ids == [1, 2, 3, 7, 8] and again.num_output_tokens == 2 and again.resume
     assert again.params.max_tokens == 9 and again.params.seed == 5 and again.arrival_time == 1.0
+
+
+def test_a_request_sent_while_the_scheduler_restarts_waits_for_it(tmp_path: os.PathLike[str]) -> None:
+    """No request lost: one that arrives while the frontend waits for a
+    restarted scheduler is not refused; it goes to the new scheduler, once,
+    after the resumed ones."""
+    async def go() -> list[fe.AddRequest]:
+        ctx = zmq.asyncio.Context()
+        run_dir = os.path.join(tmp_path, "run")
+        fake = FakeScheduler(ctx, run_dir)
+        engine = EngineClient(fake.addrs, resume_timeout_s=10)
+        try:
+            await asyncio.gather(engine.start(5), fake.answer_info())
+            engine.watch(10.0, 5.0, lambda ok: None)
+            await engine.add_request(fe.AddRequest("a", [1, 2, 3], SamplingParams(max_tokens=9), 1.0))
+            assert isinstance(await fake.recv(), fe.AddRequest)
+            fake.close()
+            for _ in range(100):
+                if engine.resuming:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.resuming and not engine.healthy
+            late = asyncio.create_task(engine.add_request(fe.AddRequest("b", [4, 5], SamplingParams(max_tokens=3), 2.0)))
+            await asyncio.sleep(0.2)
+            assert not late.done()  # waiting, not refused
+            fake = FakeScheduler(ctx, run_dir)
+            await fake.answer_info()
+            got: list[fe.AddRequest] = []
+            while len(got) < 2:
+                if isinstance(m := await fake.recv(), fe.AddRequest):
+                    got.append(m)
+            await late
+            await asyncio.sleep(0.1)
+            assert await fake.inbox.poll(0) == 0  # nothing sent twice
+            assert engine.healthy
+            return got
+        finally:
+            await engine.close()
+            fake.close()
+            ctx.term()
+
+    got = run(go())
+    assert [(r.request_id, r.resume) for r in got] == [("a", True), ("b", False)]
