@@ -108,7 +108,7 @@ class BlockManager(SwapOps):
         append_slots = self.append_slots
         for op in req.ops:
             if type(op) is Append:
-                r = append_slots(op.seq_id, op.token_ids)
+                r = append_slots(op.seq_id, op.token_ids, op.num_lookahead)
                 results.append(r)
                 if r is not None:
                     blocked = blocked or r.status is _NO_ROOM
@@ -223,14 +223,20 @@ class BlockManager(SwapOps):
         self.seqs[seq_id] = SeqTable(table, total, tail, key)
         return SeqResult(seq_id, _OK, 0, [b.block_id for b in table], num_cached, num_sched)
 
-    def append_slots(self, seq_id: int, token_ids: list[int]) -> SeqResult | None:
-        """Slots for ``token_ids``; None when the block table is unchanged."""
+    def append_slots(self, seq_id: int, token_ids: list[int], num_lookahead: int = 0) -> SeqResult | None:
+        """Slots for ``token_ids`` (the first of which fill the slots reserved
+        for unknown tokens) and ``num_lookahead`` more; None when the block
+        table is unchanged."""
         s = self.seqs.get(seq_id)
         if s is None or s.on_cpu:
             self._seq(seq_id)  # raises the right error
         assert s is not None
-        k = len(token_ids)
-        if k == 0:
+        if num_lookahead < 0:
+            raise BlockManagerError(f"seq_id {seq_id}: negative num_lookahead")
+        unknown = s.num_unknown
+        fill = min(len(token_ids), unknown)
+        k = len(token_ids) - fill + num_lookahead
+        if k == 0 and not token_ids:
             return None
         bs = self.block_size
         table = s.table
@@ -238,8 +244,8 @@ class BlockManager(SwapOps):
         result: SeqResult | None = None
         st = s.step_start
         if st is None or st[0] != self._step_no:  # the first Append of this step: snapshot (seq_table.StepStart)
-            s.step_start = (self._step_no, nt, s.last_key, list(s.tail))
-        if nt + k > len(table) * bs or (nt % bs and table[-1].ref_cnt > 1):
+            s.step_start = (self._step_no, nt, s.last_key, list(s.tail), unknown)
+        if k and (nt + k > len(table) * bs or (nt % bs and table[-1].ref_cnt > 1)):
             gpu = self.gpu
             cow = nt % bs != 0 and table[-1].ref_cnt > 1
             new = cdiv(nt + k, bs) - len(table)
@@ -260,11 +266,12 @@ class BlockManager(SwapOps):
                 table.append(gpu.take())
             result = SeqResult(seq_id, _OK, start, [b.block_id for b in table[start:]], 0, k)
         s.num_tokens = nt + k
-        if self.enable_prefix_caching:
+        s.num_unknown = unknown - fill + num_lookahead
+        if self.enable_prefix_caching and token_ids:
             tail = s.tail
+            i = (nt - unknown - len(tail)) // bs  # the block the tail's tokens are in
             tail.extend(token_ids)
             if len(tail) >= bs:  # one or more blocks filled: key them
-                i = nt // bs
                 key = s.last_key
                 while len(tail) >= bs:
                     key = hash_block(key, tail[:bs])
@@ -285,7 +292,8 @@ class BlockManager(SwapOps):
             ref(b)
         start = p.start_of(self._step_no)
         self.seqs[child_seq_id] = SeqTable(list(p.table), p.num_tokens, list(p.tail), p.last_key,
-                                           step_start=None if start is None else (start[0], start[1], start[2], list(start[3])))
+                                           step_start=None if start is None else (*start[:3], list(start[3]), start[4]),
+                                           num_unknown=p.num_unknown)
         return SeqResult(child_seq_id, _OK, 0, [b.block_id for b in p.table])
 
     def free(self, seq_id: int) -> None:
@@ -330,8 +338,11 @@ class BlockManager(SwapOps):
             counts = refs[s.on_cpu]
             for i in ids:
                 counts[i] = counts.get(i, 0) + 1
-            if self.enable_prefix_caching and len(s.tail) != s.num_tokens % bs:
-                raise AssertionError(f"seq {seq_id}: {len(s.tail)} tail tokens for {s.num_tokens} tokens")
+            if not 0 <= s.num_unknown <= s.num_tokens:
+                raise AssertionError(f"seq {seq_id}: {s.num_unknown} unknown of {s.num_tokens} tokens")
+            known = s.num_tokens - s.num_unknown
+            if self.enable_prefix_caching and len(s.tail) != known % bs:
+                raise AssertionError(f"seq {seq_id}: {len(s.tail)} tail tokens for {known} known tokens")
         self.gpu.check("gpu", refs[0])
         self.cpu.check("cpu", refs[1])
         for b in self.cpu.blocks:

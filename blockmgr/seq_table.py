@@ -12,16 +12,18 @@ class BlockManagerError(ValueError):
 
 
 # A table's state before the step's first Append: (step_no, num_tokens,
-# last_key, tail). A swap-out later in the same step gives back the slots the
+# last_key, tail, num_unknown). A swap-out later in the same step gives back the slots the
 # step reserved (the sequence will not run). A plain tuple, not a NamedTuple:
 # one is made per running sequence per step, and that costs 4x less.
-StepStart = tuple[int, int, bytes, list[int]]
+StepStart = tuple[int, int, bytes, list[int], int]
 
 
 @dataclass(slots=True, eq=False)
 class SeqTable:
-    """``tail`` holds the token ids of the partly filled last block and
-    ``last_key`` the key of the last full one (both only with prefix caching)."""
+    """``tail`` holds the known token ids after the last keyed block and
+    ``last_key`` that block's key (both only with prefix caching). The last
+    ``num_unknown`` of the ``num_tokens`` slots are reserved for tokens not
+    sampled yet (async scheduling, ``Append.num_lookahead``)."""
 
     table: list[Block]
     num_tokens: int
@@ -29,6 +31,7 @@ class SeqTable:
     last_key: bytes
     on_cpu: bool = False
     step_start: StepStart | None = None
+    num_unknown: int = 0
 
     def start_of(self, step_no: int) -> StepStart | None:
         """The snapshot taken in step ``step_no``, if this step appended to it."""

@@ -51,15 +51,15 @@ class SwapOps:
         start = s.start_of(self._step_no)
         if start is None:
             return
-        _, nt0, key0, tail0 = start
+        _, nt0, key0, tail0, unknown0 = start
         bs = self.block_size
         keep = cdiv(nt0, bs)
-        for b in s.table[nt0 // bs:s.num_tokens // bs]:
-            b.pending_hash = None  # filled by tokens that will not be computed
+        for b in s.table[(nt0 - unknown0) // bs:(s.num_tokens - s.num_unknown) // bs]:
+            b.pending_hash = None  # keyed by tokens that will not be computed
         for b in reversed(s.table[keep:]):
             self.gpu.unref(b)
         del s.table[keep:]
-        s.num_tokens, s.last_key, s.tail = nt0, key0, tail0
+        s.num_tokens, s.last_key, s.tail, s.num_unknown = nt0, key0, tail0, unknown0
         s.step_start = None
 
     def _existing(self, b: Block, dst: BlockPool) -> Block | None:

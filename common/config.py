@@ -67,6 +67,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_watermark: float = DEFAULT_WATERMARK  # share of KV blocks kept free when admitting
     preemption_mode: str = "recompute"  # recompute | swap | auto
+    async_scheduling: bool = True  # plan step N+1 while the worker runs step N
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     worker: str = "model"  # model | sim (SIMULATED: no model, cost-model step times)
     tensor_parallel_size: int = 1
@@ -163,6 +164,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         text="share of KV blocks kept free when admitting new requests")
     arg("--preemption-mode", env_name="PREEMPTION_MODE", default=d.preemption_mode,
         choices=["recompute", "swap", "auto"], text="how a preempted request gives back its blocks")
+    arg("--async-scheduling", env_name="ASYNC_SCHEDULING", default=env_flag("ASYNC_SCHEDULING", d.async_scheduling),
+        action=argparse.BooleanOptionalAction,
+        text="plan the next step while the worker runs this one (the same tokens as without)")
     arg("--attention-backend", env_name="ATTENTION_BACKEND", default=d.attention_backend,
         choices=["auto", "torch", "triton"], text="auto: triton on CUDA, torch on CPU")
     arg("--seed", env_name="SEED", default=d.seed, type=int, text="seed of the sampler's generators")
@@ -211,6 +215,9 @@ def engine_argv(cfg: EngineConfig) -> list[str]:
         if f.name == "enforce_eager":
             if v:
                 out.append("--enforce-eager")
+            continue
+        if f.name == "async_scheduling":
+            out.append("--async-scheduling" if v else "--no-async-scheduling")
             continue
         out += ["--" + f.name.replace("_", "-"), str(v)]
     return out

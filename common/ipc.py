@@ -179,8 +179,16 @@ class ReqClient(_Typed[R]):
         once ``stop()`` is true, ``PeerLost`` if the peer disconnects (a dead
         process; a tcp peer silent past the heartbeat timeout),
         ``ChannelTimeout`` after ``timeout_s``, ``BadFrame`` for an undecodable reply."""
+        self.send(msg)
+        return self.reply(timeout_s, stop)
+
+    def send(self, msg: msgspec.Struct) -> None:
+        """The request half of ``call``; ``reply`` must follow."""
         self._peer_lost()  # forget disconnects from before this request
         self.sock.send(_encoder.encode(msg), copy=False)
+
+    def reply(self, timeout_s: float | None = None, stop: Callable[[], bool] | None = None) -> R:
+        """The reply half of ``call`` (its errors)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             wait = POLL_MS if deadline is None else max(0, min(POLL_MS, int((deadline - time.monotonic()) * 1000)))

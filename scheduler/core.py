@@ -72,8 +72,8 @@ class Scheduler(Preemption, Results):
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
         self._pending_forks: list[bm.Fork] = []  # beam search: new beams, before their parents' frees
-        self._pending_frees: list[int] = []  # seq ids to free in the blockmgr next round
-        self._pending_free_blocks = 0  # at most this many blocks come back with them
+        # seq ids to free in the blockmgr next round -> the GPU blocks (at most) each gives back
+        self._pending_frees: dict[int, int] = {}
         self._pending_drops: list[int] = []  # seq ids whose worker state to drop next step
         self._deltas: list[TokenDelta] = []  # produced outside a worker step (errors, aborts)
         self.block_stats: bm.BlockStats | None = None  # the blockmgr's, from its last reply
@@ -137,6 +137,10 @@ class Scheduler(Preemption, Results):
         out, self._deltas = self._deltas, []
         return out
 
+    def put_back(self, deltas: list[TokenDelta]) -> None:
+        """Deltas taken but not delivered: the next ``take_deltas`` returns them first."""
+        self._deltas[:0] = deltas
+
     # ------------------------------------------------------------ planning
     def _fork_children(self, group: SequenceGroup) -> list[bm.Op]:
         """The first sequence has prefilled all but the prompt's last token:
@@ -146,7 +150,8 @@ class Scheduler(Preemption, Results):
         ops: list[bm.Op] = []
         for i in range(1, group.params.n):
             child = Sequence(next(self._seq_ids), i, list(parent.token_ids), parent.num_prompt_tokens,
-                             parent.num_computed_tokens, status=SeqStatus.RUNNING)
+                             parent.num_computed_tokens, status=SeqStatus.RUNNING,
+                             num_unknown_slots=parent.num_unknown_slots)
             group.seqs.append(child)
             self._track(group, child)
             ops.append(bm.Fork(parent.seq_id, child.seq_id))
@@ -159,7 +164,8 @@ class Scheduler(Preemption, Results):
         ops: list[bm.Op] = list(self._pending_forks)
         self._pending_forks = []
         ops += [bm.Free(s) for s in self._pending_frees]
-        self._pending_frees = []
+        freed = sum(self._pending_frees.values())
+        self._pending_frees = {}
         for group in self.running:
             if group.needs_fork and group.tokens_to_compute(group.seqs[0]) == 0:
                 ops += self._fork_children(group)
@@ -172,12 +178,15 @@ class Scheduler(Preemption, Results):
         # avoid sending admissions that are sure to be refused.
         room = None
         if self.block_stats is not None:
-            room = self.block_stats.num_admissible_gpu_blocks + self._pending_free_blocks
-        self._pending_free_blocks = 0
+            room = self.block_stats.num_admissible_gpu_blocks + freed
+        max_len = self.cfg.max_model_len
         for group in self.running:
-            for seq in group.live_seqs:
+            live = group.live_seqs
+            if group.beam is not None and any(s.num_pending for s in live):
+                continue  # its next beams are chosen from the step in flight
+            for seq in live:
                 k = min(group.tokens_to_compute(seq), budget)
-                if k <= 0:
+                if k <= 0 or (seq.num_pending and group.ends_with_pending(seq, max_len)):
                     continue
                 budget -= k
                 ops.append(self._append_op(seq, k))
@@ -230,6 +239,16 @@ class Scheduler(Preemption, Results):
         self._seq_group.pop(seq_id, None)
         self._seqs.pop(seq_id, None)
 
+    @staticmethod
+    def must_settle(plan: StepPlan, reply: bm.StepReply) -> bool:
+        """Applying ``reply`` may preempt (an Append or SwapOut found no room):
+        with async scheduling, the step in flight must be applied first."""
+        if all(r is None or r.status is bm.Status.OK for r in reply.results):
+            return False
+        ops = [op for op in plan.request.ops for _ in bm.answered_seq_ids(op)]
+        return any(type(op) in (bm.Append, bm.SwapOut) and r is not None and r.status is not bm.Status.OK
+                   for op, r in zip(ops, reply.results))
+
     def on_block_reply(self, plan: StepPlan, reply: bm.StepReply) -> bm.StepRequest | None:
         """Apply the blockmgr's answer to ``plan.request``; returns the next
         round's request (preemption, releases), or None when the step is settled."""
@@ -248,9 +267,16 @@ class Scheduler(Preemption, Results):
         for (op, sid), res in zip(pairs, reply.results):
             if type(op) is bm.Free:
                 continue
-            seq = self._seqs[sid]
+            seq = self._seqs.get(sid)
+            if seq is None or seq.is_finished:
+                # Async scheduling: the step that was in flight finished it
+                # (must_settle); its Free is queued, and releases these slots too.
+                continue
             if type(op) is bm.Append:
-                k = len(op.token_ids)
+                n = len(op.token_ids)  # the first fill slots reserved for unknown tokens
+                k = n - min(n, seq.num_unknown_slots) + op.num_lookahead
+                if res is None or res.status is bm.Status.OK:
+                    plan.unknown_slots[sid] = op.num_lookahead
                 if res is None:
                     unchanged.append((seq, k))
                 elif res.status is bm.Status.OK:
@@ -300,8 +326,12 @@ class Scheduler(Preemption, Results):
 
     @staticmethod
     def _append_op(seq: Sequence, k: int) -> bm.Append:
+        """Slots for the next ``k`` tokens. The ids the blockmgr lacks go with
+        it: those of its unknown slots first; a token still being sampled
+        (async scheduling) gets a lookahead slot."""
         n = seq.num_computed_tokens
-        return bm.Append(seq.seq_id, seq.token_ids[n:n + k])
+        known = min(len(seq.token_ids), n + k)
+        return bm.Append(seq.seq_id, seq.token_ids[n - seq.num_unknown_slots:known], n + k - known)
 
     @staticmethod
     def _apply_table(plan: StepPlan, seq: Sequence, res: bm.SeqResult) -> None:
@@ -357,7 +387,18 @@ class Scheduler(Preemption, Results):
             seq.known_to_worker = True
         # A sequence freed or recomputed later in the step is not (or no longer) the worker's.
         diffs = [d for d in plan.block_diffs if (s := self._seqs.get(d.seq_id)) is not None and s.known_to_worker]
-        scheduled = [wk.ScheduledSeq(s.seq_id, k) for s, k in plan.scheduled.values() if k > 0]
+        # One that finished meanwhile (async scheduling: a stop token in the step
+        # before) does not run; its slots are freed with it.
+        scheduled = []
+        unknown = plan.unknown_slots
+        for s, k in plan.scheduled.values():
+            if k <= 0 or s.is_finished:
+                continue
+            scheduled.append(wk.ScheduledSeq(s.seq_id, k))
+            # Counted as computed when sent: the next step may be planned before this one returns.
+            s.num_computed_tokens += k
+            s.num_unknown_slots = unknown.get(s.seq_id, 0)
+            s.num_pending = 1 if s.num_computed_tokens == len(s.token_ids) else 0
         drops, self._pending_drops = self._pending_drops, []
         if not scheduled and not new_seqs and not drops and not plan.copies and not plan.swap_in and not plan.swap_out:
             return None
@@ -368,9 +409,7 @@ class Scheduler(Preemption, Results):
     # ------------------------------------------------------------ bookkeeping
     def _finish_seq(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):
-            self._pending_frees.append(seq.seq_id)
-            if seq.status is SeqStatus.RUNNING:
-                self._pending_free_blocks += seq.num_blocks
+            self._pending_frees[seq.seq_id] = seq.num_blocks if seq.status is SeqStatus.RUNNING else 0
         if seq.known_to_worker:
             self._pending_drops.append(seq.seq_id)
             seq.known_to_worker = False

@@ -18,6 +18,7 @@ from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.types import RefusalKind
 from pagedserve.scheduler.core import PoolSize, Scheduler, SchedulerConfig
+from pagedserve.scheduler.plan import StepPlan
 from pagedserve.scheduler.recovery import requeue_all
 
 RECOVERY_ATTEMPT_S = 0.5  # one try at a restarting component; between tries the inbox is served
@@ -29,6 +30,9 @@ class BlockClient(Protocol):
 
 class WorkerClient(Protocol):
     def call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply: ...
+    # ``call`` in two halves, so a step runs while the next one is planned.
+    def submit(self, req: wk.ExecuteStep) -> None: ...
+    def collect(self) -> wk.Reply: ...
 
 
 class ComponentError(RuntimeError):
@@ -61,6 +65,17 @@ class InProcessBlockClient:
 class InProcessWorkerClient:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
+        self._submitted: wk.ExecuteStep | None = None
+
+    def submit(self, req: wk.ExecuteStep) -> None:
+        self._submitted = req
+
+    def collect(self) -> wk.Reply:
+        # Runs the step only now, after the next one was planned: the order a
+        # slow worker gives, which async scheduling must get right.
+        req, self._submitted = self._submitted, None
+        assert req is not None, "collect without submit"
+        return self.call(req)
 
     def call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply:
         if isinstance(req, wk.InitWorker):
@@ -94,6 +109,17 @@ class IpcClient:
         except (ipc.ChannelTimeout, ipc.PeerLost, ipc.Interrupted, ipc.BadFrame) as e:
             raise ComponentError(str(e)) from e
 
+    def submit(self, req: Any) -> None:
+        if self.disconnected():
+            raise ComponentError(f"{self._client.addr} disconnected since the last call")
+        self._client.send(req)
+
+    def collect(self) -> Any:
+        try:
+            return self._client.reply(self.timeout_s, self._stop)
+        except (ipc.ChannelTimeout, ipc.PeerLost, ipc.Interrupted, ipc.BadFrame) as e:
+            raise ComponentError(str(e)) from e
+
     def close(self) -> None:
         self._client.close()
 
@@ -121,6 +147,8 @@ class EngineCore:
         self.recovering = False  # between losing a component and both answering again
         self.num_recoveries = 0
         self.counts = SchedulerCounts()
+        # Async scheduling: the step the worker runs while the next is planned.
+        self._in_flight: tuple[StepPlan, float] | None = None
         ready = self._worker_call(wk.InitWorker(), init_timeout_s)
         assert isinstance(ready, wk.WorkerReady)
         # A worker that outlived a previous scheduler still holds its sequences.
@@ -180,6 +208,7 @@ class EngineCore:
         blockmgr (every block free). Raises ComponentError on ``stop()`` or
         after ``timeout_s``. Returns how many requests were in flight."""
         self.recovering = True
+        self._in_flight = None  # its result never comes: its requests are requeued
         n = requeue_all(self.scheduler)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
@@ -229,7 +258,7 @@ class EngineCore:
         return None
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._in_flight is not None or self.scheduler.has_work()
 
     def step(self) -> list[fe.TokenDelta]:
         """One step as typed messages, each reply paired with its request
@@ -240,21 +269,53 @@ class EngineCore:
             self._publish()
 
     def _step(self) -> list[fe.TokenDelta]:
+        """Synchronous: plan, run, apply. Async (``cfg.async_scheduling``): plan
+        step N+1 while the worker runs step N, apply N's result, then send N+1
+        (its sequences that N finished left out), so the worker waits only for
+        that. Preempting needs N's result first (its victims' tokens), so a
+        round that must preempt waits for it."""
         sch = self.scheduler
-        plan = sch.schedule()
-        if plan is None:
-            return sch.take_deltas()
-        req: bm.StepRequest | None = plan.request
-        while req is not None:
-            reply = self._block_call(req)
-            assert isinstance(reply, bm.StepReply)
-            req = sch.on_block_reply(plan, reply)
-        execute = sch.build_execute(plan)
-        if execute is None:
-            return sch.take_deltas()
-        t0 = time.perf_counter()
-        result = self.worker.call(execute)
+        deltas: list[fe.TokenDelta] = []
+        try:
+            plan = sch.schedule()
+            if plan is not None:
+                req: bm.StepRequest | None = plan.request
+                while req is not None:
+                    reply = self._block_call(req)
+                    assert isinstance(reply, bm.StepReply)
+                    if self._in_flight is not None and sch.must_settle(plan, reply):
+                        deltas += self._collect()
+                    req = sch.on_block_reply(plan, reply)
+            deltas += self._collect()
+            execute = None if plan is None else sch.build_execute(plan)
+            if execute is not None:
+                assert plan is not None
+                t0 = time.perf_counter()
+                if self.cfg.async_scheduling:
+                    self.worker.submit(execute)
+                    self._in_flight = (plan, t0)
+                else:
+                    deltas += self._apply(plan, self.worker.call(execute), t0)
+        except ComponentError:
+            # A component lost after a result was applied (a later blockmgr
+            # round): its tokens are part of the sequences that resume, so
+            # they must still reach their streams.
+            sch.put_back(deltas)
+            raise
+        return deltas + sch.take_deltas()
+
+    def _collect(self) -> list[fe.TokenDelta]:
+        """Waits for the step in flight, if any, and applies its result."""
+        if self._in_flight is None:
+            return []
+        plan, t0 = self._in_flight
+        result = self.worker.collect()
+        self._in_flight = None
+        return self._apply(plan, result, t0)
+
+    def _apply(self, plan: StepPlan, result: wk.Reply, t0: float) -> list[fe.TokenDelta]:
         self.last_step_s = time.perf_counter() - t0
+        sch = self.scheduler
         if isinstance(result, wk.WorkerError):
             return sch.on_step_failed(plan, result.message)
         assert isinstance(result, wk.StepResult)

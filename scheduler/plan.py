@@ -29,6 +29,7 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)  # request ids, this step
+    unknown_slots: dict[int, int] = field(default_factory=dict)  # seq id -> its Append's num_lookahead
 
     def unschedule(self, group: SequenceGroup) -> None:
         for s in group.seqs:

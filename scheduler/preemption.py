@@ -32,8 +32,9 @@ class Preemption:
     waiting: deque[SequenceGroup]
     num_preemptions: int
     _seq_group: dict[int, SequenceGroup]
-    _pending_frees: list[int]
+    _pending_frees: dict[int, int]
     _pending_drops: list[int]
+    _pending_forks: list[bm.Fork]
 
     if TYPE_CHECKING:  # provided by the class this is mixed into
         def _finish_group(self, group: SequenceGroup, reason: FinishReason, error: str | None = None,
@@ -47,7 +48,16 @@ class Preemption:
         ops: list[bm.Op] = []
         retries: list[tuple[SequenceGroup, Sequence, int]] = []
         released = 0
+        # Sequences the step that was in flight finished (async scheduling)
+        # still hold blocks: those are freed first (not a new beam's parent,
+        # whose Fork must come before its Free).
+        parents = {f.parent_seq_id for f in self._pending_forks}
+        for sid in [s for s in self._pending_frees if s not in parents]:
+            released += self._pending_frees.pop(sid)
+            ops.append(bm.Free(sid))
         for seq, k in failed:
+            if seq.is_finished:  # a stop token in the step that was in flight
+                continue
             group = self._seq_group[seq.seq_id]
             need = max(1, cdiv(seq.num_computed_tokens + k, self.cfg.block_size) - seq.num_blocks)
             while group.request_id not in plan.preempted and released < need:
@@ -59,7 +69,7 @@ class Preemption:
                     plan.unschedule(group)
                     self._finish_group(group, FinishReason.ERROR, "sequence outgrew the KV cache", ErrorKind.KV_CACHE)
                     ops += [bm.Free(s) for s in self._pending_frees]
-                    self._pending_frees = []
+                    self._pending_frees = {}
                     break
                 released += victim_blocks(victim)
                 ops += self._preempt(plan, victim)
@@ -92,17 +102,23 @@ class Preemption:
     def _recompute(self, group: SequenceGroup) -> list[bm.Op]:
         """Drop the group's K/V; it is prefilled again (prompt + output so far)."""
         live = group.live_seqs
+        # New beams whose Fork is not sent yet (async scheduling: the beam step
+        # came in this step's rounds) have no table to free: the fork is dropped.
+        unforked = {f.child_seq_id for f in self._pending_forks} & {s.seq_id for s in live}
+        if unforked:
+            self._pending_forks = [f for f in self._pending_forks if f.child_seq_id not in unforked]
         for s in live:
             s.status = SeqStatus.WAITING
             s.num_computed_tokens = 0
             s.num_blocks = 0
+            s.num_pending, s.num_unknown_slots = 0, 0
             if s.known_to_worker:
                 self._pending_drops.append(s.seq_id)
                 s.known_to_worker = False
         # Back to the queue, ahead of every later arrival.
         self.waiting.append(group)
         self.waiting = deque(sorted(self.waiting, key=lambda g: g.arrival_order))
-        return [bm.Free(s.seq_id) for s in live]
+        return [bm.Free(s.seq_id) for s in live if s.seq_id not in unforked]
 
     def _use_swap(self, group: SequenceGroup) -> bool:
         live = group.live_seqs

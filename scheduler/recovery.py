@@ -28,11 +28,11 @@ def requeue_all(sch: Scheduler) -> int:
             s.status = SeqStatus.WAITING
             s.num_computed_tokens = 0
             s.num_blocks = 0
+            s.num_pending, s.num_unknown_slots = 0, 0
             s.known_to_worker = False
     sch.waiting = deque(groups)
     # Beam forks name parents the reset blockmgr no longer has: each new beam
     # is prefilled from its own tokens instead.
-    sch._pending_forks, sch._pending_frees, sch._pending_drops = [], [], []
-    sch._pending_free_blocks = 0
+    sch._pending_forks, sch._pending_frees, sch._pending_drops = [], {}, []
     sch.block_stats = None
     return len(in_flight)

@@ -55,8 +55,8 @@ class Results:
         return p
 
     def on_step_result(self, plan: StepPlan, result: wk.StepResult) -> list[TokenDelta]:
-        for seq, k in plan.scheduled.values():
-            seq.num_computed_tokens += k
+        for seq, _ in plan.scheduled.values():
+            seq.num_pending = 0  # computed counts moved on when the step was sent (build_execute)
         for pl in result.prompt_logprobs:
             group = self._seq_group.get(pl.seq_id)
             if group is None or group.prompt_logprobs_sent:
@@ -136,7 +136,8 @@ class Results:
 
     def on_step_failed(self, plan: StepPlan, message: str) -> list[TokenDelta]:
         """The worker failed the step: fail the requests it held, keep serving."""
-        hit = {self._seq_group[s.seq_id].request_id for s, _ in plan.scheduled.values()}
+        # A group aborted while the step ran (async scheduling) is gone already.
+        hit = {g.request_id for s, _ in plan.scheduled.values() if (g := self._seq_group.get(s.seq_id)) is not None}
         for rid in hit:
             group = self.groups[rid]
             # Normally running; a protocol error (a sequence the worker does not

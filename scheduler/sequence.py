@@ -41,6 +41,11 @@ class Sequence:
     finish_reason: FinishReason | None = None
     known_to_worker: bool = False
     cum_logprob: float = 0.0  # beam search: sum of the chosen tokens' logprobs
+    # Async scheduling: the step in flight samples this many tokens for it (0
+    # or 1; not in token_ids yet), and this many of its blockmgr slots wait
+    # for their token ids (Append.num_lookahead).
+    num_pending: int = 0
+    num_unknown_slots: int = 0
 
     @property
     def num_output_tokens(self) -> int:
@@ -73,8 +78,13 @@ class SequenceGroup:
     def tokens_to_compute(self, seq: Sequence) -> int:
         """Tokens the sequence still has to compute before it can sample
         (before the fork, the first sequence stops short of the last prompt token)."""
-        end = len(seq.token_ids) - (1 if self.needs_fork else 0)
+        end = len(seq.token_ids) + seq.num_pending - (1 if self.needs_fork else 0)
         return end - seq.num_computed_tokens
+
+    def ends_with_pending(self, seq: Sequence, max_model_len: int) -> bool:
+        """The token in flight is its last by length: nothing to schedule after it."""
+        n = len(seq.token_ids) + seq.num_pending
+        return n - seq.num_prompt_tokens >= self.params.max_tokens or n >= max_model_len
 
     @property
     def batch_width(self) -> int:

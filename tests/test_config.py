@@ -15,7 +15,8 @@ def parse(argv: list[str]) -> EngineConfig:
     return config_from_args(p.parse_args(argv))
 
 
-@pytest.mark.parametrize("argv", [[], ["--kv-cache-memory", "64MiB", "--no-prefix-caching", "--enforce-eager"],
+@pytest.mark.parametrize("argv", [[], ["--kv-cache-memory", "64MiB", "--no-prefix-caching", "--enforce-eager",
+                                        "--no-async-scheduling"],
                                   ["--num-gpu-blocks", "100", "--block-size", "32", "-tp", "2", "--worker", "sim",
                                    "--preemption-mode", "swap", "--swap-space", "0.5", "--dtype", "float16"]])
 def test_engine_argv_rebuilds_the_same_config(argv: list[str]) -> None:

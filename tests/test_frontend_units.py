@@ -143,6 +143,7 @@ class ScriptedEngine:
         model = ModelInfo("fake", vocab, 512, (0,), 1, 1, 1, "float32", "cpu")
         self.info = fe.EngineInfo(0, model, 16, 65, 0, 8, 256)
         self.healthy = True
+        self.resuming = False
         self.queues: dict[str, asyncio.Queue[Any]] = {}
         self.requests: list[fe.AddRequest] = []
         self.released: list[tuple[str, bool]] = []

@@ -57,13 +57,17 @@ class CrashingWorker(InProcessWorkerClient):
 
 
 class CrashingBlocks(InProcessBlockClient):
-    def __init__(self, at: int) -> None:
+    """``rounds_only``: counts only the extra rounds of a step (preemption),
+    which async scheduling sends after applying the step that was in flight."""
+
+    def __init__(self, at: int, rounds_only: bool = False) -> None:
         super().__init__(lambda i: BlockManager(i.num_gpu_blocks, i.num_cpu_blocks, i.block_size,
                                                 i.enable_prefix_caching, i.watermark))
         self.crash = Crashing(at)
+        self.rounds_only = rounds_only
 
     def call(self, req: bm.Request, timeout_s: float | None = None) -> bm.Reply:
-        if self.crash.fails(isinstance(req, bm.StepRequest)):
+        if self.crash.fails(isinstance(req, bm.StepRequest) and (req.continues_step or not self.rounds_only)):
             self.manager = None  # a restarted blockmgr has no manager until InitRequest
             raise ComponentError("blockmgr disconnected")
         if self.manager is None and not isinstance(req, bm.InitRequest):
@@ -82,11 +86,12 @@ def requests(parallel: bool) -> list[AddRequest]:
 
 
 def run(worker: InProcessWorkerClient, blocks: InProcessBlockClient,
-        parallel: bool) -> tuple[list[TokenDelta], EngineCore, int]:
+        parallel: bool, async_scheduling: bool = True) -> tuple[list[TokenDelta], EngineCore, int]:
     # With parallel sampling and prefix caching, a group refused after one of
     # its sequences got blocks must free them before they are committed as
     # cached (they hold no K/V): the simulated worker reads them back.
-    cfg = EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=64, enable_prefix_caching=True)
+    cfg = EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=64, enable_prefix_caching=True,
+                       async_scheduling=async_scheduling)
     core = EngineCore(cfg, blocks, worker)
     for r in requests(parallel):
         core.handle(r)
@@ -113,15 +118,19 @@ def by_output(deltas: list[TokenDelta]) -> dict[tuple[str, int], list[int]]:
     return got
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("at", [3, 25, 60])
-@pytest.mark.parametrize("victim", ["gpuworker", "blockmgr"])
-def test_lost_component_loses_no_token(victim: str, at: int, parallel: bool) -> None:
-    expected, ref_core, _ = run(CrashingWorker(at=10**9), CrashingBlocks(at=10**9), parallel)
+@pytest.mark.parametrize("victim", ["gpuworker", "blockmgr", "blockmgr-preempting"])
+def test_lost_component_loses_no_token(victim: str, at: int, parallel: bool, async_scheduling: bool) -> None:
+    expected, ref_core, _ = run(CrashingWorker(at=10**9), CrashingBlocks(at=10**9), parallel, async_scheduling)
     assert ref_core.scheduler.num_preemptions > 0  # the pool is small enough to preempt
     worker = CrashingWorker(at if victim == "gpuworker" else 10**9)
-    blocks = CrashingBlocks(at if victim == "blockmgr" else 10**9)
-    got, core, idle_calls = run(worker, blocks, parallel)
+    # blockmgr-preempting: lost in the at-th preemption round (async: after the step in flight was applied)
+    preempting = victim == "blockmgr-preempting"
+    blocks = CrashingBlocks(10**9 if victim == "gpuworker" else {3: 1, 25: 2, 60: 3}[at] if preempting else at,
+                            rounds_only=preempting)
+    got, core, idle_calls = run(worker, blocks, parallel, async_scheduling)
     assert (worker.crash.crashed or blocks.crash.crashed) and core.num_recoveries == 1
     assert idle_calls >= 3  # the inbox is served between attempts at the restarting component
     assert by_output(got) == by_output(expected)

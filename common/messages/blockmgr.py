@@ -40,10 +40,17 @@ class Allocate(msgspec.Struct, tag=1, array_like=True):
 class Append(msgspec.Struct, tag=2, array_like=True):
     """Reserve slots for ``token_ids``, the next tokens whose K/V this step
     writes (a prefill chunk, or the last sampled token). Allocates a block
-    only when the last one is full; copies-on-write a shared last block."""
+    only when the last one is full; copies-on-write a shared last block.
+
+    Async scheduling plans a step while the worker still samples the
+    previous one: ``num_lookahead`` more slots are reserved for tokens not
+    sampled yet. Their ids come first in a later Append's ``token_ids``
+    (they fill those slots; only the rest take new ones), and only then do
+    the blocks they fill get prefix-cache keys."""
 
     seq_id: int
     token_ids: list[int]
+    num_lookahead: int = 0
 
 
 class Free(msgspec.Struct, tag=3, array_like=True):

@@ -96,10 +96,14 @@ class PagedserveEngine:
 
     name, label = "pagedserve", "pagedserve (4 processes, gRPC)"
 
-    def __init__(self, model: str | None, workloads: dict[str, Work], serve_args: list[str]) -> None:
+    def __init__(self, model: str | None, workloads: dict[str, Work], serve_args: list[str],
+                 synchronous: bool = False) -> None:
         self.model, self.workloads, self.serve_args = model, workloads, serve_args
+        if synchronous:
+            self.name, self.label = "pagedserve-sync", "pagedserve, synchronous scheduling"
         self.server: ServeProc | None = None
         self.addr = ""
+        self.idle_gaps = ""  # the worker's summary of its idle time between steps, after close
 
     def start(self) -> None:
         self.server = start_serve(self.serve_args, self.model)
@@ -149,7 +153,8 @@ class PagedserveEngine:
             # The worker's own account of the time scheduling costs it between steps.
             for line in self.server.log:
                 if "idle between consecutive steps" in line:
-                    print(f"bench peers: {line.strip()}", flush=True)
+                    self.idle_gaps = line.strip().split(": ", 1)[-1]
+                    print(f"bench peers: {self.name}: {line.strip()}", flush=True)
 
 
 class HFEngine:

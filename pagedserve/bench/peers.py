@@ -30,7 +30,8 @@ from pagedserve.bench.workloads import machine_info, sample_lengths, synthetic_p
 # Output/prompt scale per workload: ShareGPT x0.25 keeps a CPU run to minutes
 # (about 5,900 output tokens over 64 requests at seed 0); Alpaca is short already.
 SCALES = {"sharegpt": 0.25, "alpaca": 1.0}
-ENGINES = ("pagedserve", "hf", "vllm")
+ENGINES = ("pagedserve", "pagedserve-sync", "hf", "vllm")  # -sync: --no-async-scheduling, same run
+DEFAULT_ENGINES = ("pagedserve", "hf", "vllm")
 
 
 def build_workload(name: str, n: int, seed: int, vocab: int, max_len: int, max_output: int | None) -> Work:
@@ -124,7 +125,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-output", type=int, default=None, help="cap every request's output length")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--engines", default=",".join(ENGINES), help="comma list of pagedserve, hf, vllm")
+    p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                   help="comma list of pagedserve, pagedserve-sync (without async scheduling), hf, vllm")
     p.add_argument("--out", default="out/bench-peers", help="folder for the PNG and the JSON")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra `pagedserve serve` argument (repeatable, later wins), e.g. --serve-arg=--max-num-seqs=64")
@@ -157,6 +159,8 @@ def main(argv: list[str]) -> int:
             eng: Engine
             if e == "pagedserve":
                 eng = PagedserveEngine(args.model, work, serve_args)
+            elif e == "pagedserve-sync":
+                eng = PagedserveEngine(args.model, work, [*serve_args, "--no-async-scheduling"], synchronous=True)
             elif e == "hf":
                 eng = HFEngine(model_dir, work)
             else:
@@ -200,9 +204,11 @@ def main(argv: list[str]) -> int:
         summary[w]["unstable_runs"] = {e: sum(o != outputs[w][e][0] for o in outputs[w][e][1:]) for e in names}
         summary[w]["output_tokens_by_engine"] = {e: sum(map(len, outputs[w][e][0])) for e in names}
     labels = {e: engines[e].label for e in names}
+    gaps = {e: g for e in names if (g := getattr(engines[e], "idle_gaps", ""))}
     res: dict[str, Any] = {"bench": "peers", "machine": machine_info(), "model": os.path.basename(model_dir.rstrip("/")),
                            "dtype": "float32", "seed": args.seed, "repeats": args.repeats, "engines": names,
-                           "labels": labels, "skipped": skipped, "serve_args": serve_args, "workloads": summary}
+                           "labels": labels, "skipped": skipped, "serve_args": serve_args, "workloads": summary,
+                           "worker_idle_between_steps": gaps}
     _print_table(res)
     out = Path(args.out)
     res["chart"] = _chart(out / "bench-peers.png", res)
@@ -229,5 +235,7 @@ def _print_table(res: dict[str, Any]) -> None:
         for e, m in s["greedy_match"].items():
             flag = "" if m["identical"] == m["of"] else "  GREEDY MISMATCH"
             print(f"  greedy ids {s['greedy_reference']} vs {e}: {m['identical']}/{m['of']} requests identical{flag}")
+    for e, g in res.get("worker_idle_between_steps", {}).items():
+        print(f"  {res['labels'][e]}: worker {g}")
     for e, why in res["skipped"].items():
         print(f"  {e}: skipped ({why.splitlines()[0] if why else ''})")
