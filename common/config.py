@@ -67,7 +67,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kv_watermark: float = DEFAULT_WATERMARK  # share of KV blocks kept free when admitting
     preemption_mode: str = "recompute"  # recompute | swap | auto
-    async_scheduling: bool = True  # plan step N+1 while the worker runs step N
+    # on: plan step N+1 while the worker runs step N; auto: on with CUDA only (on
+    # CPU the planning would take cores from the worker's threads: measured slower)
+    async_scheduling: str = "auto"  # auto | on | off
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     worker: str = "model"  # model | sim (SIMULATED: no model, cost-model step times)
     tensor_parallel_size: int = 1
@@ -77,6 +79,10 @@ class EngineConfig:
     max_prompt_chars: int = 1_000_000
     max_stop_ids: int = 64
     shutdown_timeout: float = 0.0  # seconds SIGTERM waits for in-flight requests
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        return self.async_scheduling == "on" or (self.async_scheduling == "auto" and self.device.startswith("cuda"))
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32):
@@ -97,6 +103,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be at least 2")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if not 0.0 <= self.shutdown_timeout <= 3600.0:
             raise ValueError(f"shutdown_timeout must be in [0, 3600] seconds, got {self.shutdown_timeout}")
 
@@ -164,9 +172,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         text="share of KV blocks kept free when admitting new requests")
     arg("--preemption-mode", env_name="PREEMPTION_MODE", default=d.preemption_mode,
         choices=["recompute", "swap", "auto"], text="how a preempted request gives back its blocks")
-    arg("--async-scheduling", env_name="ASYNC_SCHEDULING", default=env_flag("ASYNC_SCHEDULING", d.async_scheduling),
-        action=argparse.BooleanOptionalAction,
-        text="plan the next step while the worker runs this one (the same tokens as without)")
+    arg("--async-scheduling", env_name="ASYNC_SCHEDULING", default=d.async_scheduling, nargs="?", const="on",
+        choices=["auto", "on", "off"],
+        text="plan the next step while the worker runs this one (the same tokens as without); "
+             "auto: on with CUDA, off on CPU, where it would take cores from the worker")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const="off",
+                   help="same as --async-scheduling off")
     arg("--attention-backend", env_name="ATTENTION_BACKEND", default=d.attention_backend,
         choices=["auto", "torch", "triton"], text="auto: triton on CUDA, torch on CPU")
     arg("--seed", env_name="SEED", default=d.seed, type=int, text="seed of the sampler's generators")
@@ -215,9 +226,6 @@ def engine_argv(cfg: EngineConfig) -> list[str]:
         if f.name == "enforce_eager":
             if v:
                 out.append("--enforce-eager")
-            continue
-        if f.name == "async_scheduling":
-            out.append("--async-scheduling" if v else "--no-async-scheduling")
             continue
         out += ["--" + f.name.replace("_", "-"), str(v)]
     return out

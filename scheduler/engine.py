@@ -269,7 +269,7 @@ class EngineCore:
             self._publish()
 
     def _step(self) -> list[fe.TokenDelta]:
-        """Synchronous: plan, run, apply. Async (``cfg.async_scheduling``): plan
+        """Synchronous: plan, run, apply. Async (``cfg.use_async_scheduling``): plan
         step N+1 while the worker runs step N, apply N's result, then send N+1
         (its sequences that N finished left out), so the worker waits only for
         that. Preempting needs N's result first (its victims' tokens), so a
@@ -291,7 +291,7 @@ class EngineCore:
             if execute is not None:
                 assert plan is not None
                 t0 = time.perf_counter()
-                if self.cfg.async_scheduling:
+                if self.cfg.use_async_scheduling:
                     self.worker.submit(execute)
                     self._in_flight = (plan, t0)
                 else:

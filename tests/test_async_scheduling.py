@@ -109,7 +109,7 @@ def sim_requests(seed: int) -> list[AddRequest]:
 def test_async_equals_sync_with_preemption_sim(mode: str, num_cpu_blocks: int, seed: int) -> None:
     def once(async_scheduling: bool) -> tuple[Outputs, EngineCore, OrderLog, LoggedBlocks]:
         cfg = EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=96, preemption_mode=mode,
-                           async_scheduling=async_scheduling)
+                           async_scheduling="on" if async_scheduling else "off")
         # EOS 3 and stop ids 7, 11: stops the scheduler learns of one step late
         worker = SimWorker(48, 8, num_cpu_blocks, VOCAB, max_model_len=4096, eos_token_ids=(3,))
         return run(cfg, worker, sim_requests(seed))
@@ -130,7 +130,7 @@ def test_async_equals_sync_with_preemption_sim(mode: str, num_cpu_blocks: int, s
 def test_stop_found_late_runs_no_extra_token() -> None:
     """A stop token sampled in step N is known only after step N+1 was planned:
     N+1 is sent without that sequence, and its reserved slot is freed."""
-    cfg = EngineConfig(block_size=8, max_num_seqs=4, async_scheduling=True)
+    cfg = EngineConfig(block_size=8, max_num_seqs=4, async_scheduling="on")
     worker = SimWorker(40, 8, 0, VOCAB, max_model_len=4096)
     prompt = [5, 9, 13]
     free_run, *_ = run(cfg, SimWorker(40, 8, 0, VOCAB, max_model_len=4096),
@@ -177,7 +177,7 @@ def test_async_equals_sync_with_preemption_model(tiny_llama: str, mode: str) -> 
     def once(async_scheduling: bool) -> tuple[Outputs, EngineCore, OrderLog, LoggedBlocks]:
         cfg = EngineConfig(model=tiny_llama, block_size=8, num_gpu_blocks=40, max_num_seqs=16,
                            swap_space=0.01 if mode == "swap" else 0.0, preemption_mode=mode,
-                           async_scheduling=async_scheduling)
+                           async_scheduling="on" if async_scheduling else "off")
         return run(cfg, ModelRunner(cfg), model_requests())
 
     sync, sync_core, _, _ = once(False)
@@ -204,7 +204,7 @@ def test_a_request_aborted_while_its_step_runs_then_the_step_fails() -> None:
     """The abort lands between sending a step and its result (the scheduler
     forgets the group at once); that step then fails: the other request ends
     with the error, the scheduler keeps serving, and every block comes back."""
-    cfg = EngineConfig(block_size=8, async_scheduling=True)
+    cfg = EngineConfig(block_size=8, async_scheduling="on")
     log = OrderLog()
     blocks = LoggedBlocks(log)
     core = EngineCore(cfg, blocks, FailingWorker(SimWorker(40, 8, 0, VOCAB, max_model_len=4096), log, fail_at=3))
@@ -236,7 +236,7 @@ def test_blocks_of_a_sequence_finished_in_flight_count_before_outgrowing(seed: i
                        SamplingParams(max_tokens=rng.randint(20, 60), temperature=0.0), float(i)) for i in range(12)]
 
     def once(async_scheduling: bool) -> tuple[Outputs, EngineCore, LoggedBlocks]:
-        cfg = EngineConfig(block_size=8, async_scheduling=async_scheduling)
+        cfg = EngineConfig(block_size=8, async_scheduling="on" if async_scheduling else "off")
         out, core, _, blocks = run(cfg, SimWorker(num_gpu_blocks, 8, 0, VOCAB, max_model_len=4096), reqs,
                                    arrive_every=12)
         return out, core, blocks

@@ -22,32 +22,33 @@ def test_bench_peers_ci_size(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     model = make_tiny_model(tmp_path, "llama", seed=0)
     missing = tmp_path / "no-peers-venv" / "bin" / "python"
     out_dir = tmp_path / "out"
-    assert peers.main(["--model", model, "--engines", "pagedserve,pagedserve-sync,hf,vllm", "--requests", "6",
+    assert peers.main(["--model", model, "--engines", "pagedserve,pagedserve-async,hf,vllm", "--requests", "6",
                        "--max-output", "12",
                        "--repeats", "3", "--workload", "alpaca,sharegpt", "--out", str(out_dir),
                        "--peers-python", str(missing), "--serve-arg=--max-num-seqs=8",
                        "--serve-arg=--kv-cache-memory=16MiB"]) == 0
     text = capsys.readouterr().out
     res = _result(text)
-    assert res["bench"] == "peers" and res["engines"] == ["pagedserve", "pagedserve-sync", "hf"]
+    assert res["bench"] == "peers" and res["engines"] == ["pagedserve", "pagedserve-async", "hf"]
     # The worker's idle time between steps, async and synchronous scheduling.
-    assert set(res["worker_idle_between_steps"]) == {"pagedserve", "pagedserve-sync"}
+    assert set(res["worker_idle_between_steps"]) == {"pagedserve", "pagedserve-async"}
     assert all("p50" in g for g in res["worker_idle_between_steps"].values())
     assert "vllm" in res["skipped"] and "vLLM skipped" in text and "vLLM CPU" not in text
     assert "--max-num-seqs=8" in res["serve_args"]
     for w in ("alpaca", "sharegpt"):
         s = res["workloads"][w]
         assert s["requests"] == 6 and 6 <= s["output_tokens"] <= 6 * 12
-        for e in ("pagedserve", "pagedserve-sync", "hf"):
+        for e in ("pagedserve", "pagedserve-async", "hf"):
             assert len(s["engines"][e]["tok_s"]) == 3 and min(s["engines"][e]["tok_s"]) > 0
             assert s["output_tokens_by_engine"][e] == s["output_tokens"]
         ratio = s["median_ratio"]["pagedserve/hf"]
-        assert ratio > 0 and set(s["median_ratio"]) == {"pagedserve/hf", "pagedserve/pagedserve-sync"}
+        assert ratio > 0 and set(s["median_ratio"]) == {"pagedserve/hf", "pagedserve/pagedserve-async"}
         # The tiny model's logits are well separated: greedy ids must agree exactly
-        # (with transformers, and between async and synchronous scheduling).
-        for e in ("hf", "pagedserve-sync"):
+        # (with transformers, and between async and synchronous scheduling:
+        # the default on CPU is synchronous).
+        for e in ("hf", "pagedserve-async"):
             assert s["greedy_match"][e] == {"identical": 6, "of": 6, "first_divergence": []}
-        assert s["unstable_runs"] == {"pagedserve": 0, "pagedserve-sync": 0, "hf": 0}
+        assert s["unstable_runs"] == {"pagedserve": 0, "pagedserve-async": 0, "hf": 0}
     png = out_dir / "bench-peers.png"
     assert res["chart"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out_dir / "bench-peers.json").read_text())["workloads"].keys() == {"alpaca", "sharegpt"}

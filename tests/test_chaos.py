@@ -129,13 +129,16 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[Job], lis
     return model_dir, jobs, reference(model_dir, jobs)
 
 
-@pytest.mark.parametrize("victim", ["gpuworker", "blockmgr", "scheduler"])
-def test_kill_9_mid_stream_loses_nothing(setup: tuple[str, list[Job], list[list[int]]], victim: str) -> None:
+# async: the scheduler plans while a step is in flight (--async-scheduling on; off on CPU by default)
+@pytest.mark.parametrize("victim,scheduling", [("gpuworker", "auto"), ("blockmgr", "auto"), ("scheduler", "auto"),
+                                               ("gpuworker", "on"), ("blockmgr", "on")])
+def test_kill_9_mid_stream_loses_nothing(setup: tuple[str, list[Job], list[list[int]]], victim: str,
+                                         scheduling: str) -> None:
     model_dir, jobs, expected = setup
     need = sum(-(-(len(p) + s["max_tokens"]) // BLOCK) for p, s in jobs)
     pool = need // 3  # about a third of the workload's KV: preemption happens
     with serve("--model", model_dir, "--block-size", str(BLOCK), "--num-gpu-blocks", str(pool + 1),
-               "--max-num-seqs", "32") as server:
+               "--max-num-seqs", "32", "--async-scheduling", scheduling) as server:
         streams, threads = run_streams(server, jobs)
         t_kill = kill_midway(server, victim, streams, sum(s["max_tokens"] for _, s in jobs))
         server.pids[victim] = restarted_pid(server, victim)  # the teardown checks the new one is gone too

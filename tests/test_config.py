@@ -16,7 +16,8 @@ def parse(argv: list[str]) -> EngineConfig:
 
 
 @pytest.mark.parametrize("argv", [[], ["--kv-cache-memory", "64MiB", "--no-prefix-caching", "--enforce-eager",
-                                        "--no-async-scheduling"],
+                                        "--no-async-scheduling"], ["--async-scheduling"],
+                                  ["--async-scheduling", "auto", "--device", "cuda"],
                                   ["--num-gpu-blocks", "100", "--block-size", "32", "-tp", "2", "--worker", "sim",
                                    "--preemption-mode", "swap", "--swap-space", "0.5", "--dtype", "float16"]])
 def test_engine_argv_rebuilds_the_same_config(argv: list[str]) -> None:
@@ -58,3 +59,15 @@ def test_context_limits_come_from_the_config() -> None:
     assert context_limits(SimpleNamespace(max_position_embeddings=512, sliding_window=64,
                                           use_sliding_window=False)) == (512, None)  # Qwen2
     assert context_limits(SimpleNamespace()) == (DEFAULT_MAX_POSITIONS, None)
+
+
+def test_async_scheduling_auto_is_on_with_cuda_only() -> None:
+    # On CPU the planning would take cores from the worker's threads (measured slower, docs/benchmarks.md).
+    assert not EngineConfig().use_async_scheduling
+    assert EngineConfig(device="cuda").use_async_scheduling and EngineConfig(device="cuda:1").use_async_scheduling
+    assert EngineConfig(async_scheduling="on").use_async_scheduling
+    assert not EngineConfig(device="cuda", async_scheduling="off").use_async_scheduling
+    assert parse(["--async-scheduling"]).async_scheduling == "on"
+    assert parse(["--no-async-scheduling"]).async_scheduling == "off"
+    with pytest.raises(ValueError):
+        EngineConfig(async_scheduling="yes")

@@ -91,7 +91,7 @@ def run(worker: InProcessWorkerClient, blocks: InProcessBlockClient,
     # its sequences got blocks must free them before they are committed as
     # cached (they hold no K/V): the simulated worker reads them back.
     cfg = EngineConfig(block_size=8, max_num_seqs=16, max_num_batched_tokens=64, enable_prefix_caching=True,
-                       async_scheduling=async_scheduling)
+                       async_scheduling="on" if async_scheduling else "off")
     core = EngineCore(cfg, blocks, worker)
     for r in requests(parallel):
         core.handle(r)

@@ -37,7 +37,7 @@ def make_engine(num_gpu_blocks: int, block_size: int = 4, num_cpu_blocks: int = 
     # Synchronous unless asked: these tests read each step's ExecuteStep right after it.
     cfg = EngineConfig(block_size=8 if block_size == 4 else block_size, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=budget, preemption_mode=mode, enable_prefix_caching=prefix_caching,
-                       async_scheduling=async_scheduling)
+                       async_scheduling="on" if async_scheduling else "off")
     worker = RecordingWorker(SimWorker(num_gpu_blocks, block_size, num_cpu_blocks, VOCAB, max_model_len=4096))
     blocks = InProcessBlockClient(lambda init: BlockManager(init.num_gpu_blocks, init.num_cpu_blocks,
                                                             init.block_size, init.enable_prefix_caching,

@@ -97,10 +97,13 @@ class PagedserveEngine:
     name, label = "pagedserve", "pagedserve (4 processes, gRPC)"
 
     def __init__(self, model: str | None, workloads: dict[str, Work], serve_args: list[str],
-                 synchronous: bool = False) -> None:
+                 async_scheduling: bool | None = None) -> None:
+        """``async_scheduling``: forced on or off (engine pagedserve-async / -sync); None: the default."""
         self.model, self.workloads, self.serve_args = model, workloads, serve_args
-        if synchronous:
-            self.name, self.label = "pagedserve-sync", "pagedserve, synchronous scheduling"
+        if async_scheduling is not None:
+            self.serve_args = [*serve_args, "--async-scheduling", "on" if async_scheduling else "off"]
+            kind = "async" if async_scheduling else "sync"
+            self.name, self.label = f"pagedserve-{kind}", f"pagedserve, {kind} scheduling"
         self.server: ServeProc | None = None
         self.addr = ""
         self.idle_gaps = ""  # the worker's summary of its idle time between steps, after close

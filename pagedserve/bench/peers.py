@@ -30,7 +30,8 @@ from pagedserve.bench.workloads import machine_info, sample_lengths, synthetic_p
 # Output/prompt scale per workload: ShareGPT x0.25 keeps a CPU run to minutes
 # (about 5,900 output tokens over 64 requests at seed 0); Alpaca is short already.
 SCALES = {"sharegpt": 0.25, "alpaca": 1.0}
-ENGINES = ("pagedserve", "pagedserve-sync", "hf", "vllm")  # -sync: --no-async-scheduling, same run
+# pagedserve-async / -sync: --async-scheduling on / off (the default is auto: on with CUDA only)
+ENGINES = ("pagedserve", "pagedserve-async", "pagedserve-sync", "hf", "vllm")
 DEFAULT_ENGINES = ("pagedserve", "hf", "vllm")
 
 
@@ -126,7 +127,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
-                   help="comma list of pagedserve, pagedserve-sync (without async scheduling), hf, vllm")
+                   help="comma list of pagedserve, pagedserve-async, pagedserve-sync (async scheduling on, off), hf, vllm")
     p.add_argument("--out", default="out/bench-peers", help="folder for the PNG and the JSON")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra `pagedserve serve` argument (repeatable, later wins), e.g. --serve-arg=--max-num-seqs=64")
@@ -159,8 +160,8 @@ def main(argv: list[str]) -> int:
             eng: Engine
             if e == "pagedserve":
                 eng = PagedserveEngine(args.model, work, serve_args)
-            elif e == "pagedserve-sync":
-                eng = PagedserveEngine(args.model, work, [*serve_args, "--no-async-scheduling"], synchronous=True)
+            elif e in ("pagedserve-async", "pagedserve-sync"):
+                eng = PagedserveEngine(args.model, work, serve_args, async_scheduling=e == "pagedserve-async")
             elif e == "hf":
                 eng = HFEngine(model_dir, work)
             else:

@@ -81,7 +81,7 @@ def engine_config(num_running: int) -> EngineConfig:
     # Room for every sequence to reach 2048 tokens: the loop never preempts.
     return EngineConfig(block_size=BLOCK_SIZE, num_gpu_blocks=num_running * 2048 // BLOCK_SIZE + 2,
                         max_num_seqs=num_running, max_num_batched_tokens=num_running + 512, worker="sim",
-                        async_scheduling=False)  # the split of one synchronous step
+                        async_scheduling="off")  # the split of one synchronous step
 
 
 @contextmanager
