@@ -84,7 +84,7 @@ def test_version() -> None:
 
 def test_every_flag_has_help_with_its_default_and_environment_variable() -> None:
     p = build_parser()
-    aliases = {"--no-prefix-caching"}  # the earlier spelling; its help names the new one
+    aliases = {"--no-prefix-caching", "--no-async-scheduling"}  # other spellings; their help names the main flag
     checked = 0
     for a in p._actions:
         if not a.option_strings or a.dest in ("help", "version") or aliases & set(a.option_strings):
@@ -96,7 +96,7 @@ def test_every_flag_has_help_with_its_default_and_environment_variable() -> None
     assert r.returncode == 0
     for text in ("--enable-prefix-caching", "--no-enable-prefix-caching", "--grpc-port", "--api-key",
                  "--served-model-name", "--kv-cache-memory-bytes", "--num-gpu-blocks-override",
-                 "--shutdown-timeout", "PAGEDSERVE_HTTP_PORT", "PAGEDSERVE_API_KEY", "(default: 8000",
+                 "--shutdown-timeout", "--async-scheduling", "--no-async-scheduling", "PAGEDSERVE_HTTP_PORT", "PAGEDSERVE_API_KEY", "(default: 8000",
                  "(default: 50051", "MODEL"):
         assert text in r.stdout, text
 
