@@ -54,6 +54,11 @@ class PoolSize:
     num_cpu_blocks: int = 0
 
 
+def _answers(ops: list[bm.Op]) -> list[tuple[bm.Op, int]]:
+    """(op, seq id) for each entry of the StepReply that answers ``ops``."""
+    return [(op, sid) for op in ops for sid in bm.answered_seq_ids(op)]
+
+
 class BlockReplyMismatch(ValueError):
     """A StepReply whose results do not pair with the request's ops."""
 
@@ -186,7 +191,7 @@ class Scheduler(Preemption, Results):
                 continue  # its next beams are chosen from the step in flight
             for seq in live:
                 k = min(group.tokens_to_compute(seq), budget)
-                if k <= 0 or (seq.num_pending and group.ends_with_pending(seq, max_len)):
+                if k <= 0 or (seq.num_pending and group.long_enough(seq, max_len)):
                     continue
                 budget -= k
                 ops.append(self._append_op(seq, k))
@@ -245,15 +250,13 @@ class Scheduler(Preemption, Results):
         with async scheduling, the step in flight must be applied first."""
         if all(r is None or r.status is bm.Status.OK for r in reply.results):
             return False
-        ops = [op for op in plan.request.ops for _ in bm.answered_seq_ids(op)]
         return any(type(op) in (bm.Append, bm.SwapOut) and r is not None and r.status is not bm.Status.OK
-                   for op, r in zip(ops, reply.results))
+                   for (op, _), r in zip(_answers(plan.request.ops), reply.results))
 
     def on_block_reply(self, plan: StepPlan, reply: bm.StepReply) -> bm.StepRequest | None:
         """Apply the blockmgr's answer to ``plan.request``; returns the next
         round's request (preemption, releases), or None when the step is settled."""
-        ops = plan.request.ops
-        pairs = [(op, sid) for op in ops for sid in bm.answered_seq_ids(op)]
+        pairs = _answers(plan.request.ops)
         if len(pairs) != len(reply.results):
             raise BlockReplyMismatch(f"{len(reply.results)} results for {len(pairs)} answers expected")
         self.block_stats = reply.stats

@@ -100,23 +100,19 @@ class IpcClient:
         return self._client._peer_lost()  # drains the monitor: true once per disconnect
 
     def call(self, req: Any, timeout_s: float | None = None) -> Any:
+        self.submit(req)
+        return self.collect(timeout_s)
+
+    def submit(self, req: Any) -> None:
         # A disconnect since the last call means a restarted peer that lost
         # our state: fail this call (recovery follows) rather than talk past it.
         if self.disconnected():
             raise ComponentError(f"{self._client.addr} disconnected since the last call")
-        try:
-            return self._client.call(req, timeout_s or self.timeout_s, self._stop)
-        except (ipc.ChannelTimeout, ipc.PeerLost, ipc.Interrupted, ipc.BadFrame) as e:
-            raise ComponentError(str(e)) from e
-
-    def submit(self, req: Any) -> None:
-        if self.disconnected():
-            raise ComponentError(f"{self._client.addr} disconnected since the last call")
         self._client.send(req)
 
-    def collect(self) -> Any:
+    def collect(self, timeout_s: float | None = None) -> Any:
         try:
-            return self._client.reply(self.timeout_s, self._stop)
+            return self._client.reply(timeout_s or self.timeout_s, self._stop)
         except (ipc.ChannelTimeout, ipc.PeerLost, ipc.Interrupted, ipc.BadFrame) as e:
             raise ComponentError(str(e)) from e
 

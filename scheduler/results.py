@@ -150,12 +150,11 @@ class Results:
 
     def _stop_reason(self, group: SequenceGroup, seq: Sequence, tok: int) -> FinishReason | None:
         p = group.params
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens:
+        if seq.num_output_tokens >= p.min_tokens:
             if tok in self.cfg.eos_token_ids and not p.ignore_eos:
                 return FinishReason.STOP
             if tok in p.stop_token_ids:
                 return FinishReason.STOP
-        if n_out >= p.max_tokens or len(seq.token_ids) >= self.cfg.max_model_len:
+        if group.long_enough(seq, self.cfg.max_model_len):  # num_pending is 0 once the token is in
             return FinishReason.LENGTH
         return None

@@ -81,8 +81,9 @@ class SequenceGroup:
         end = len(seq.token_ids) + seq.num_pending - (1 if self.needs_fork else 0)
         return end - seq.num_computed_tokens
 
-    def ends_with_pending(self, seq: Sequence, max_model_len: int) -> bool:
-        """The token in flight is its last by length: nothing to schedule after it."""
+    def long_enough(self, seq: Sequence, max_model_len: int) -> bool:
+        """Its tokens, counting one still being sampled, reach max_tokens or the
+        model's length: it stops by length (after that pending token, if any)."""
         n = len(seq.token_ids) + seq.num_pending
         return n - seq.num_prompt_tokens >= self.params.max_tokens or n >= max_model_len
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
 
 import msgspec
 import zmq
@@ -56,6 +58,40 @@ def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
+@dataclass
+class Rig:
+    """An EngineClient serving one request "a", connected to a fake scheduler
+    that a test may replace (``restart``) as a restarted one would."""
+
+    ctx: zmq.asyncio.Context
+    run_dir: str
+    fake: FakeScheduler
+    engine: EngineClient
+
+    def restart(self) -> FakeScheduler:
+        self.fake = FakeScheduler(self.ctx, self.run_dir)  # binds the same sockets
+        return self.fake
+
+
+@asynccontextmanager
+async def serving_one(tmp_path: os.PathLike[str], params: SamplingParams
+                      ) -> AsyncIterator[tuple[Rig, asyncio.Queue[Any]]]:
+    ctx = zmq.asyncio.Context()
+    run_dir = os.path.join(tmp_path, "run")
+    fake = FakeScheduler(ctx, run_dir)
+    rig = Rig(ctx, run_dir, fake, EngineClient(fake.addrs, resume_timeout_s=10))
+    try:
+        await asyncio.gather(rig.engine.start(5), fake.answer_info())
+        rig.engine.watch(10.0, 5.0, lambda ok: None)
+        q = await rig.engine.add_request(fe.AddRequest("a", [1, 2, 3], params, 1.0))
+        assert isinstance(await fake.recv(), fe.AddRequest)
+        yield rig, q
+    finally:
+        await rig.engine.close()
+        rig.fake.close()
+        ctx.term()
+
+
 def test_a_stale_watchdog_answer_does_not_undo_the_end_of_recovery(tmp_path: os.PathLike[str]) -> None:
     async def go() -> list[bool]:
         ctx = zmq.asyncio.Context()
@@ -84,20 +120,13 @@ def test_a_stale_watchdog_answer_does_not_undo_the_end_of_recovery(tmp_path: os.
 
 def test_a_lost_scheduler_gets_the_streams_back_with_their_tokens(tmp_path: os.PathLike[str]) -> None:
     async def go() -> tuple[fe.AddRequest, list[int]]:
-        ctx = zmq.asyncio.Context()
-        run_dir = os.path.join(tmp_path, "run")
-        fake = FakeScheduler(ctx, run_dir)
-        engine = EngineClient(fake.addrs, resume_timeout_s=10)
-        try:
-            await asyncio.gather(engine.start(5), fake.answer_info())
-            engine.watch(10.0, 5.0, lambda ok: None)
-            q = await engine.add_request(fe.AddRequest("a", [1, 2, 3], SamplingParams(max_tokens=9, seed=5), 1.0))
-            assert isinstance(await fake.recv(), fe.AddRequest)
-            await fake.send(fe.Outputs([fe.TokenDelta("a", 0, [7], None, 3), fe.TokenDelta("a", 0, [8], None, 3)]))
-            fake.close()  # the scheduler dies...
+        async with serving_one(tmp_path, SamplingParams(max_tokens=9, seed=5)) as (rig, q):
+            engine = rig.engine
+            await rig.fake.send(fe.Outputs([fe.TokenDelta("a", 0, [7], None, 3), fe.TokenDelta("a", 0, [8], None, 3)]))
+            rig.fake.close()  # the scheduler dies...
             await asyncio.sleep(0.3)
             assert not engine.healthy
-            fake = FakeScheduler(ctx, run_dir)  # ...and a new one binds the same sockets
+            fake = rig.restart()  # ...and a new one binds the same sockets
             await fake.answer_info()
             while not isinstance(again := await fake.recv(), fe.AddRequest):
                 pass
@@ -108,10 +137,6 @@ def test_a_lost_scheduler_gets_the_streams_back_with_their_tokens(tmp_path: os.P
             assert engine.healthy
             got = [q.get_nowait()[1].token_ids[0] for _ in range(q.qsize())]
             return again, got
-        finally:
-            await engine.close()
-            fake.close()
-            ctx.term()
 
     again, got = run(go())
     assert got == [7, 8]  # the stream saw each token once
@@ -124,16 +149,9 @@ def test_a_request_sent_while_the_scheduler_restarts_waits_for_it(tmp_path: os.P
     restarted scheduler is not refused; it goes to the new scheduler, once,
     after the resumed ones."""
     async def go() -> list[fe.AddRequest]:
-        ctx = zmq.asyncio.Context()
-        run_dir = os.path.join(tmp_path, "run")
-        fake = FakeScheduler(ctx, run_dir)
-        engine = EngineClient(fake.addrs, resume_timeout_s=10)
-        try:
-            await asyncio.gather(engine.start(5), fake.answer_info())
-            engine.watch(10.0, 5.0, lambda ok: None)
-            await engine.add_request(fe.AddRequest("a", [1, 2, 3], SamplingParams(max_tokens=9), 1.0))
-            assert isinstance(await fake.recv(), fe.AddRequest)
-            fake.close()
+        async with serving_one(tmp_path, SamplingParams(max_tokens=9)) as (rig, _):
+            engine = rig.engine
+            rig.fake.close()
             for _ in range(100):
                 if engine.resuming:
                     break
@@ -142,7 +160,7 @@ def test_a_request_sent_while_the_scheduler_restarts_waits_for_it(tmp_path: os.P
             late = asyncio.create_task(engine.add_request(fe.AddRequest("b", [4, 5], SamplingParams(max_tokens=3), 2.0)))
             await asyncio.sleep(0.2)
             assert not late.done()  # waiting, not refused
-            fake = FakeScheduler(ctx, run_dir)
+            fake = rig.restart()
             await fake.answer_info()
             got: list[fe.AddRequest] = []
             while len(got) < 2:
@@ -153,10 +171,6 @@ def test_a_request_sent_while_the_scheduler_restarts_waits_for_it(tmp_path: os.P
             assert await fake.inbox.poll(0) == 0  # nothing sent twice
             assert engine.healthy
             return got
-        finally:
-            await engine.close()
-            fake.close()
-            ctx.term()
 
     got = run(go())
     assert [(r.request_id, r.resume) for r in got] == [("a", True), ("b", False)]
