@@ -88,6 +88,10 @@ def engine_stats_metrics(s: Any) -> Iterator[Metric]:
     yield from block_stats_metrics(s)
     yield _counter("num_preemptions", "Preemptions (recompute or swap) since start.", s.num_preemptions)
     yield _counter("num_steps", "Engine steps since start.", s.num_steps)
+    yield _gauge("step_running_seconds", "How long the engine step now running has taken (0 between steps).",
+                 s.step_running_s)
+    yield _gauge("engine_degraded", "1 while a live engine is slow: a step has run past the degraded "
+                 "threshold (it is waited for, up to --step-timeout).", float(s.step_running_s > DEGRADED_AFTER_S))
 
 
 def block_stats_metrics(s: Any) -> Iterator[Metric]:
@@ -100,6 +104,11 @@ def block_stats_metrics(s: Any) -> Iterator[Metric]:
     yield _gauge("num_free_cpu_blocks", "Free KV blocks in the CPU swap pool.", s.num_free_cpu_blocks)
     yield _counter("prefix_cache_queries", "Prefix-cache lookups (blocks) since start.", s.prefix_cache_queries)
     yield _counter("prefix_cache_hits", "Prefix-cache hits (blocks) since start.", s.prefix_cache_hits)
+
+
+# A step running longer than this is reported as degraded (health stays
+# SERVING: the engine is live, only slow).
+DEGRADED_AFTER_S = 5.0
 
 
 class FrontendMetrics:

@@ -1,8 +1,11 @@
 """The frontend's side of the scheduler queues: one reader task fans the
 scheduler's per-step output batches out to per-request asyncio queues, and a
-watchdog asks the scheduler for stats at a fixed interval: no answer within
-the timeout marks the engine lost (health goes NOT_SERVING and every open
-stream ends with an error) until it answers again. A scheduler that
+watchdog asks the scheduler for stats at a fixed interval. The scheduler
+answers even while a step runs (scheduler/control.py), so a slow engine is
+only *degraded* (its stats say how long the step has run); no answer within
+the timeout means the scheduler itself is stuck: health goes NOT_SERVING
+until it answers again, and open streams are kept, since a live process may
+still finish them (issue 19: slow is not dead). A scheduler that
 disconnects (killed, restarted) is waited for: its in-flight requests are
 re-sent to the new one with the tokens already streamed (see resume.py)."""
 from __future__ import annotations
@@ -17,6 +20,7 @@ import zmq.asyncio
 
 from pagedserve.common import ipc
 from pagedserve.common.config import Addresses
+from pagedserve.common.metrics import DEGRADED_AFTER_S
 from pagedserve.common.messages import frontend as fe
 from pagedserve.frontend.resume import ResumeBook
 
@@ -49,6 +53,7 @@ class EngineClient:
         self.info: fe.EngineInfo | None = None
         self.last_stats: fe.EngineStats | None = None
         self.healthy = False
+        self._unanswered = False  # the watchdog's last query got no answer (a stuck or slow scheduler)
         self._on_change: Callable[[bool], Any] | None = None
         self._book = ResumeBook()
         self._resume_timeout_s = resume_timeout_s  # a scheduler not back by then: streams end with an error
@@ -89,15 +94,14 @@ class EngineClient:
                 await self._set_healthy(ok, lost)
 
     async def _set_healthy(self, ok: bool, lost: bool = False) -> None:
-        """``lost``: the scheduler does not answer, so open streams end with an
-        error; while it recovers a component they stay open and resume."""
-        if lost and self._streams:
-            self.fail_all("the engine is unavailable (scheduler not answering)")
+        """``lost``: the scheduler does not answer (its streams are kept: only a
+        disconnect, seen by ``_watch_link``, ends them after the resume timeout)."""
+        self._unanswered = lost
         if ok == self.healthy:
             return
         self.healthy = ok
         if lost:
-            log.error("scheduler did not answer: NOT_SERVING")
+            log.error("scheduler did not answer: NOT_SERVING (%d open streams kept)", len(self._streams))
         else:
             log.info("engine %s: %s", "ready" if ok else "recovering", "SERVING" if ok else "NOT_SERVING")
         if self._on_change is not None:
@@ -209,8 +213,20 @@ class EngineClient:
         return s
 
     @property
+    def degraded(self) -> bool:
+        """Live but slow: the step now running has taken longer than DEGRADED_AFTER_S."""
+        return self.last_stats is not None and self.last_stats.step_running_s > DEGRADED_AFTER_S
+
+    @property
     def num_streams(self) -> int:
         return len(self._streams)
+
+    @property
+    def accepting(self) -> bool:
+        """New requests are taken while healthy, while a restarted scheduler is
+        awaited (they wait for it), and while the scheduler is only slow to
+        answer (they queue in its inbox); refused while a component recovers."""
+        return self.healthy or self._resuming or self._unanswered
 
     @property
     def resuming(self) -> bool:
@@ -220,7 +236,7 @@ class EngineClient:
     async def add_request(self, req: fe.AddRequest) -> asyncio.Queue[Item]:
         if req.request_id in self._streams:
             raise DuplicateRequestId(req.request_id)
-        if not self.healthy and not self._resuming:
+        if not self.accepting:
             raise EngineUnavailable("the engine is unavailable")
         q: asyncio.Queue[Item] = asyncio.Queue()
         self._streams[req.request_id] = q

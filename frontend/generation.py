@@ -218,7 +218,7 @@ class GenerationService:
 
     async def open(self, req: PreparedRequest, key_id: str | None = None) -> "RequestStream":
         """Admit and submit; raises ``Rejected``."""
-        if not self.engine.healthy and not self.engine.resuming:  # a restarting scheduler: it waits
+        if not self.engine.accepting:
             raise self.reject("unavailable", "the engine is unavailable")
         if self.admission.num_queued >= self.cfg.max_queued_requests:
             raise self.reject("queue_full", f"server busy: {self.admission.num_queued} requests queued "
@@ -358,4 +358,6 @@ class RequestStream:
         engine_busy = not self.done or any(o.stopped_by_string for o in self.outputs.values())
         if not self.done and self.svc.metrics:
             self.svc.metrics.request_success.labels("abort").inc()
-        self.svc.engine.release(self.request_id, abort=engine_busy and self.finish_reason != "error")
+        # An error may be the frontend's own (a lost engine, a broken stream):
+        # abort then too, so nothing runs for nobody (unknown ids are ignored).
+        self.svc.engine.release(self.request_id, abort=engine_busy or self.finish_reason == "error")

@@ -170,7 +170,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                              max_queued_requests=cfg.max_queued_requests, max_n=cfg.max_n,
                              max_beam_width=cfg.max_beam_width, num_requests_in_flight=self.svc.engine.num_streams,
                              auth_enabled=cfg.auth_enabled, tls_enabled=cfg.tls_enabled,
-                             num_queued_requests=self.svc.num_queued)
+                             num_queued_requests=self.svc.num_queued, degraded=self.svc.engine.degraded,
+                             step_running_seconds=s.step_running_s)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         await self._require_ready(context)

@@ -91,10 +91,18 @@ class IpcClient:
     """Request/reply over ZeroMQ with a timeout per call."""
 
     def __init__(self, ctx: zmq.Context[Any], addr: str, reply_type: Any, timeout_s: float,
-                 stop: Callable[[], bool] | None = None) -> None:
+                 stop: Callable[[], bool] | None = None, while_waiting: Callable[[], None] | None = None) -> None:
         self._client: ipc.ReqClient[Any] = ipc.ReqClient(ctx, addr, reply_type)
         self.timeout_s = timeout_s
         self._stop = stop  # checked every ipc.POLL_MS while waiting (SIGTERM)
+        # Also run every ipc.POLL_MS while waiting: the control loop answers the
+        # frontend during a slow step instead of looking dead (issue 19).
+        self.while_waiting = while_waiting
+
+    def _waited(self) -> bool:
+        if self.while_waiting is not None:
+            self.while_waiting()
+        return self._stop is not None and self._stop()
 
     def disconnected(self) -> bool:
         return self._client._peer_lost()  # drains the monitor: true once per disconnect
@@ -112,7 +120,7 @@ class IpcClient:
 
     def collect(self, timeout_s: float | None = None) -> Any:
         try:
-            return self._client.reply(timeout_s or self.timeout_s, self._stop)
+            return self._client.reply(timeout_s or self.timeout_s, self._waited)
         except (ipc.ChannelTimeout, ipc.PeerLost, ipc.Interrupted, ipc.BadFrame) as e:
             raise ComponentError(str(e)) from e
 
@@ -139,12 +147,12 @@ class EngineCore:
         self.cfg = cfg
         self.blockmgr = blockmgr
         self.worker = worker
-        self.last_step_s = 0.0  # wall time of the last worker call
+        self._step_began: float | None = None  # monotonic start of the step now running
         self.recovering = False  # between losing a component and both answering again
         self.num_recoveries = 0
         self.counts = SchedulerCounts()
         # Async scheduling: the step the worker runs while the next is planned.
-        self._in_flight: tuple[StepPlan, float] | None = None
+        self._in_flight: StepPlan | None = None
         ready = self._worker_call(wk.InitWorker(), init_timeout_s)
         assert isinstance(ready, wk.WorkerReady)
         # A worker that outlived a previous scheduler still holds its sequences.
@@ -178,15 +186,29 @@ class EngineCore:
                              self.ready.num_cpu_blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
 
     def stats(self, query_id: int) -> fe.EngineStats:
+        """Between steps: fresh block counts from the blockmgr. During a step
+        (asked while a component is awaited): the counts of its last reply,
+        and how long the step has run, without a call of our own."""
         sch = self.scheduler
+        running_s = 0.0 if self._step_began is None else time.monotonic() - self._step_began
         if self.recovering:  # the blockmgr may be gone: no block counts to report
             return fe.EngineStats(query_id, len(sch.running), len(sch.waiting), len(sch.swapped),
-                                  0, 0, 0, 0, 0, 0, sch.num_preemptions, sch.num_steps, recovering=True)
-        s = self._block_call(bm.StatsRequest())
+                                  0, 0, 0, 0, 0, 0, sch.num_preemptions, sch.num_steps, recovering=True,
+                                  step_running_s=running_s)
+        if self._step_began is None:
+            s = self._block_call(bm.StatsRequest())
+        else:
+            s = sch.block_stats or bm.BlockStats(self.ready.num_gpu_blocks, 0, self.ready.num_cpu_blocks, 0, 0)
         assert isinstance(s, bm.BlockStats)
         return fe.EngineStats(query_id, len(sch.running), len(sch.waiting), len(sch.swapped),
                               s.num_gpu_blocks, s.num_free_gpu_blocks, s.num_cpu_blocks, s.num_free_cpu_blocks,
-                              s.prefix_cache_queries, s.prefix_cache_hits, sch.num_preemptions, sch.num_steps)
+                              s.prefix_cache_queries, s.prefix_cache_hits, sch.num_preemptions, sch.num_steps,
+                              step_running_s=running_s)
+
+    @property
+    def in_step(self) -> bool:
+        """A step (or recovery) is running: only answers that need no call of ours are safe."""
+        return self._step_began is not None or self.recovering
 
     def check_peers(self) -> None:
         """Raises ComponentError if a component disconnected since the last
@@ -259,9 +281,11 @@ class EngineCore:
     def step(self) -> list[fe.TokenDelta]:
         """One step as typed messages, each reply paired with its request
         (docs/architecture.md, "One engine step"); the plan is this call's."""
+        self._step_began = time.monotonic()
         try:
             return self._step()
         finally:
+            self._step_began = None
             self._publish()
 
     def _step(self) -> list[fe.TokenDelta]:
@@ -286,12 +310,11 @@ class EngineCore:
             execute = None if plan is None else sch.build_execute(plan)
             if execute is not None:
                 assert plan is not None
-                t0 = time.perf_counter()
                 if self.cfg.use_async_scheduling:
                     self.worker.submit(execute)
-                    self._in_flight = (plan, t0)
+                    self._in_flight = plan
                 else:
-                    deltas += self._apply(plan, self.worker.call(execute), t0)
+                    deltas += self._apply(plan, self.worker.call(execute))
         except ComponentError:
             # A component lost after a result was applied (a later blockmgr
             # round): its tokens are part of the sequences that resume, so
@@ -304,13 +327,12 @@ class EngineCore:
         """Waits for the step in flight, if any, and applies its result."""
         if self._in_flight is None:
             return []
-        plan, t0 = self._in_flight
+        plan = self._in_flight
         result = self.worker.collect()
         self._in_flight = None
-        return self._apply(plan, result, t0)
+        return self._apply(plan, result)
 
-    def _apply(self, plan: StepPlan, result: wk.Reply, t0: float) -> list[fe.TokenDelta]:
-        self.last_step_s = time.perf_counter() - t0
+    def _apply(self, plan: StepPlan, result: wk.Reply) -> list[fe.TokenDelta]:
         sch = self.scheduler
         if isinstance(result, wk.WorkerError):
             return sch.on_step_failed(plan, result.message)

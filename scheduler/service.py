@@ -11,13 +11,14 @@ from typing import Any, Callable
 import zmq
 
 from pagedserve.common import ipc
+from pagedserve.common.env import env
 from pagedserve.common.lifecycle import StopFlag
 from pagedserve.common.config import add_address_args, add_engine_args, addresses_from_args, config_from_args
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.metrics import add_metrics_arg, serve_scheduler_metrics
-from pagedserve.scheduler.admission import check_add
+from pagedserve.scheduler.control import Control, abort_all
 from pagedserve.scheduler.engine import ComponentError, EngineCore, IpcClient, PeerRefused
 from pagedserve.scheduler.frontend_link import FrontendLink
 
@@ -26,32 +27,6 @@ log = logging.getLogger("pagedserve.scheduler")
 # to count a silent (killed) predecessor as gone, so a restarted scheduler waits
 # for the components to release it instead of exiting and being restarted again.
 STARTUP_REFUSAL_S = ipc.HEARTBEAT_TIMEOUT_MS / 1000 + 5.0
-
-
-def _handle(core: EngineCore, msg: fe.Request) -> fe.Reply | None:
-    """A well-typed message the scheduler cannot apply (a bad field value,
-    a duplicate id) is dropped like an undecodable frame; losing a component
-    (ComponentError) still ends the loop."""
-    if isinstance(msg, fe.AddRequest) and (why := check_add(msg, core.ready.model)) is not None:
-        ipc.note_dropped("scheduler_in", ValueError(f"AddRequest {msg.request_id[:64]!r} refused: {why}"))
-        return fe.Outputs([fe.TokenDelta(msg.request_id, 0, [], "error", len(msg.prompt_token_ids),
-                                         f"invalid request: {why}", error_kind=fe.ErrorKind.INVALID_REQUEST)])
-    try:
-        return core.handle(msg)
-    except ComponentError:
-        raise
-    except Exception as e:  # noqa: BLE001 - one bad request must not end the server
-        ipc.note_dropped("scheduler_in", e)
-        return None
-
-
-def _abort_all(core: EngineCore) -> None:
-    """The frontend went away: its clients are gone, so are their requests."""
-    sch = core.scheduler
-    if sch.groups:
-        log.warning("the frontend disconnected: aborting its %d requests", len(sch.groups))
-        sch.abort(list(sch.groups))
-    sch.take_deltas()  # for streams nobody reads any more
 
 
 def _recover(core: EngineCore, why: ComponentError, drain: Callable[[], None], link: FrontendLink,
@@ -82,7 +57,8 @@ def main(argv: list[str]) -> int:
     add_address_args(p)
     add_metrics_arg(p, "scheduler")
     p.add_argument("--init-timeout", type=float, default=1800.0, help="seconds to wait for the worker to load")
-    p.add_argument("--step-timeout", type=float, default=600.0)
+    p.add_argument("--step-timeout", type=float, default=float(env("STEP_TIMEOUT", 600.0)),
+                   help="seconds a live but slow worker step is waited for (env PAGEDSERVE_STEP_TIMEOUT)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
     cfg = config_from_args(args)
@@ -97,8 +73,11 @@ def main(argv: list[str]) -> int:
     outbox: ipc.PushQueue[fe.Reply] = ipc.PushQueue(ctx, addrs.scheduler_out, bind=True, stop=link.give_up)
     link.attach(outbox)
     # Calls wait in short polls: SIGTERM and a disconnected peer end them at once.
-    blockmgr = IpcClient(ctx, addrs.blockmgr, bm.Reply, timeout_s=30.0, stop=lambda: bool(stop))
-    worker = IpcClient(ctx, addrs.worker, wk.Reply, timeout_s=args.step_timeout, stop=lambda: bool(stop))
+    control = Control(inbox, link)
+    blockmgr = IpcClient(ctx, addrs.blockmgr, bm.Reply, timeout_s=30.0, stop=lambda: bool(stop),
+                         while_waiting=control.while_waiting)
+    worker = IpcClient(ctx, addrs.worker, wk.Reply, timeout_s=args.step_timeout, stop=lambda: bool(stop),
+                       while_waiting=control.while_waiting)
     try:
         core = None
         refusals_until = time.monotonic() + STARTUP_REFUSAL_S
@@ -120,22 +99,16 @@ def main(argv: list[str]) -> int:
         log.info("ready: %d GPU blocks of %d tokens, %d CPU blocks", core.ready.num_gpu_blocks,
                  core.ready.block_size, core.ready.num_cpu_blocks)
         serve_scheduler_metrics(args.metrics_port, lambda: core.counts, args.metrics_host)
-
-        def drain() -> None:
-            if link.lost():
-                _abort_all(core)
-            while (msg := inbox.get_nowait()) is not None:
-                reply = _handle(core, msg)
-                if reply is not None:
-                    link.put(reply)
+        control.core = core
+        drain = control.drain
 
         while not stop:
             try:
                 core.check_peers()
                 if link.lost():
-                    _abort_all(core)
+                    abort_all(core)
                 # Block briefly for input only when idle; otherwise drain and step.
-                if inbox.poll(0 if core.has_work() else 50):
+                if control.has_input(0 if core.has_work() else 50):
                     drain()
                 if core.has_work():
                     deltas = core.step()

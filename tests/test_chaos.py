@@ -68,13 +68,14 @@ class Stream:
     error: grpc.RpcError | None = None
 
 
-def run_streams(server: Server, jobs: list[Job]) -> tuple[list[Stream], list[threading.Thread]]:
+def run_streams(server: Server, jobs: list[Job],
+                timeout_s: float = 120.0) -> tuple[list[Stream], list[threading.Thread]]:
     streams = [Stream() for _ in jobs]
 
     def one(job: Job, st: Stream) -> None:
         with server.client() as c:
             try:
-                for resp in c.stream(job[0], timeout=120, **job[1]):
+                for resp in c.stream(job[0], timeout=timeout_s, **job[1]):
                     for out in resp.outputs:
                         st.tokens += out.token_ids
                         st.reason = out.finish_reason or st.reason

@@ -108,6 +108,10 @@ class EngineStats(msgspec.Struct, tag=62, array_like=True):
     # True while the scheduler re-initialises a restarted blockmgr/gpuworker
     # (health NOT_SERVING; open streams resume afterwards); block counts are 0.
     recovering: bool = False
+    # Seconds the step now running has taken so far (0 between steps): a live
+    # but slow engine (an overloaded machine, a stopped worker) is waited for,
+    # up to --step-timeout, and the frontend reports it as degraded.
+    step_running_s: float = 0.0
 
     @property
     def kv_usage(self) -> float:
