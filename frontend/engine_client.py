@@ -37,6 +37,30 @@ class EngineUnavailable(RuntimeError):
     pass
 
 
+class FrameCheck:
+    """Checks the numbering of the scheduler's Outputs (epoch, seq)."""
+
+    def __init__(self) -> None:
+        self._epoch: int | None = None
+        self._next = 0
+
+    def missing(self, out: fe.Outputs | fe.EngineStats) -> int:
+        """How many Outputs were skipped before this message (0: none): an
+        Outputs is number ``seq``; an EngineStats follows ``outputs_sent`` of
+        them, so a lost last frame shows by the next watchdog answer. The first
+        message of a frontend that started beside a running scheduler sets the
+        count; a new scheduler (another epoch) must start from 0."""
+        if not out.epoch:  # an unnumbered message (an in-process engine, an older peer)
+            return 0
+        first = self._epoch is None
+        if out.epoch != self._epoch:
+            self._epoch, self._next = out.epoch, 0
+        upto = out.seq if isinstance(out, fe.Outputs) else out.outputs_sent
+        gap = 0 if first else max(0, upto - self._next)
+        self._next = max(self._next, upto + isinstance(out, fe.Outputs))
+        return gap
+
+
 class EngineClient:
     def __init__(self, addrs: Addresses, send_timeout_s: float = 5.0, resume_timeout_s: float = 60.0) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -63,6 +87,7 @@ class EngineClient:
         self._health_news = 0  # unsolicited health messages so far: a watchdog answer older than one is stale
         self._link: asyncio.Task[None] | None = None
         self._monitor: Any = None
+        self._frames = FrameCheck()
 
     async def start(self, timeout_s: float) -> fe.EngineInfo:
         self._reader = asyncio.create_task(self._read_loop())
@@ -165,6 +190,8 @@ class EngineClient:
     async def _read_loop(self) -> None:
         while True:
             msg = await self._pull.get()
+            if isinstance(msg, (fe.Outputs, fe.EngineStats)):
+                self._check_frames(msg)
             if isinstance(msg, fe.Outputs):
                 now = time.monotonic()
                 for d in msg.deltas:
@@ -181,6 +208,14 @@ class EngineClient:
                 fut = self._queries.pop(msg.query_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+
+    def _check_frames(self, msg: fe.Outputs | fe.EngineStats) -> None:
+        """Which streams a lost frame held is unknown: every open one ends."""
+        missing = self._frames.missing(msg)
+        if missing:
+            log.error("%d output frames from the scheduler were lost or taken by another reader: "
+                      "%d open streams end with DATA_LOSS", missing, len(self._streams))
+            self.fail_all(f"{missing} output frames were lost on the way from the scheduler", fe.ErrorKind.DATA_LOSS)
 
     async def _send(self, msg: Any) -> None:
         # A PUSH socket with no connected peer blocks: a lost scheduler must not hang callers.

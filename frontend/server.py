@@ -48,6 +48,7 @@ GRPC_STATUS: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.KV_CACHE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
 }
 
 

@@ -4,6 +4,7 @@ is noticed so the engine aborts its requests (their clients are gone) and
 frees their blocks; a restarted frontend connects again and serves."""
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
@@ -12,6 +13,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pagedserve.common import ipc
+from pagedserve.common.messages import frontend as fe
 
 NO_FRONTEND_GRACE_S = 2.0  # a frontend that just sent a query may not have its output pipe yet
 
@@ -26,6 +28,8 @@ class FrontendLink:
         self.connected = 0
         self._lost = False
         self._since = 0.0  # when the put in progress began
+        self._epoch = int.from_bytes(os.urandom(7), "big") + 1  # this process's Outputs numbering
+        self._seq = 0
 
     def attach(self, outbox: ipc.PushQueue[Any]) -> None:
         self.outbox = outbox
@@ -59,6 +63,11 @@ class FrontendLink:
 
     def put(self, msg: msgspec.Struct) -> None:
         assert self.outbox is not None
+        if isinstance(msg, fe.Outputs):  # the one place Outputs leave: number them here
+            msg.epoch, msg.seq = self._epoch, self._seq
+            self._seq += 1
+        elif isinstance(msg, fe.EngineStats):  # what was sent before it, on the same ordered pipe
+            msg.epoch, msg.outputs_sent = self._epoch, self._seq
         self._since = time.monotonic()
         self.outbox.put(msg)
 

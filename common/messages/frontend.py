@@ -21,6 +21,7 @@ class ErrorKind(enum.IntEnum):
     KV_CACHE = 1  # the request can never fit in the KV pool
     UNAVAILABLE = 2  # the engine is gone, restarting or shutting down
     INVALID_REQUEST = 3  # a field the scheduler refuses (scheduler/admission.check_add)
+    DATA_LOSS = 4  # outputs were lost on the way (a gap in Outputs.seq): the stream cannot be complete
 
 
 class AddRequest(msgspec.Struct, tag=50, array_like=True):
@@ -76,6 +77,12 @@ class TokenDelta(msgspec.Struct, array_like=True):
 
 class Outputs(msgspec.Struct, tag=60, array_like=True):
     deltas: list[TokenDelta]
+    # Numbered on the wire (scheduler/frontend_link.py): ``epoch`` names the
+    # scheduler process, ``seq`` counts its Outputs from 0. A gap means frames
+    # were lost or taken by another reader, and the frontend ends the open
+    # streams with DATA_LOSS instead of a silently short output.
+    epoch: int = 0
+    seq: int = 0
 
 
 class EngineInfo(msgspec.Struct, tag=61, array_like=True):
@@ -112,6 +119,10 @@ class EngineStats(msgspec.Struct, tag=62, array_like=True):
     # but slow engine (an overloaded machine, a stopped worker) is waited for,
     # up to --step-timeout, and the frontend reports it as degraded.
     step_running_s: float = 0.0
+    # Outputs.epoch, and how many Outputs were sent before this reply (stamped
+    # by the scheduler's link): the frontend finds a lost last frame by it.
+    epoch: int = 0
+    outputs_sent: int = 0
 
     @property
     def kv_usage(self) -> float:
