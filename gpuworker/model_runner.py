@@ -48,7 +48,8 @@ from pagedserve.gpuworker.models import build_model
 from pagedserve.gpuworker.sampler import Sampler
 from pagedserve.gpuworker.seq_state import SeqState, SeqStates
 from pagedserve.gpuworker.step_gaps import StepGaps
-from pagedserve.gpuworker.structured import StructuredDecoding
+from pagedserve.gpuworker.grammar_compiler import IDLE_WAIT_S, AsyncCompiles
+from pagedserve.gpuworker.structured import StructuredDecoding, parse_grammar
 from pagedserve.kernels import get_attention_backend
 
 
@@ -108,6 +109,11 @@ class ModelRunner:
         self.tokens_computed = 0  # cumulative, read by the --metrics-port hook
         self.gaps = StepGaps()  # idle time between steps (the cost of scheduling between them)
         self.structured = StructuredDecoding(None, 0, ())  # grammar matchers (rank 0), set up by init
+        # Grammars compiled off the step path (rank 0); the cache stays the structured decoder's.
+        self.compiles = AsyncCompiles(lambda: self.structured.compiler(),
+                                      lambda compiler, spec: compiler.compile_grammar(parse_grammar(spec)),
+                                      lambda spec: self.structured.has(spec),
+                                      lambda spec, compiled: self.structured.keep(spec, compiled))
 
     # ---- start-up -------------------------------------------------------
     def init(self) -> WorkerReady:
@@ -238,6 +244,7 @@ class ModelRunner:
         self.states.clear()
         self.last_logits.clear()
         self.structured.clear()
+        self.compiles.clear()
 
     def execute(self, step: ExecuteStep) -> StepResult:
         if self.ready is None:
@@ -273,14 +280,17 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, step: ExecuteStep) -> StepResult:
         t0 = time.perf_counter()
+        if step.compile and self.tp.is_driver:
+            self.compiles.start(step.compile)
         for seq_id in step.finished:
             self.structured.drop(seq_id)
         for new in step.new_seqs:
             self._check_new(new)
         scheduled = self.states.apply(step, self.cache)
         self.last_logits.clear()
-        if not scheduled:
-            return StepResult(step.step_id, [], time.perf_counter() - t0)
+        if not scheduled:  # a step only for compiles waits briefly for one: it paces the scheduler's asks
+            grammars = self.compiles.finished(IDLE_WAIT_S) if self.tp.is_driver else []
+            return StepResult(step.step_id, [], time.perf_counter() - t0, grammars=grammars)
         batch = prepare_batch(scheduled, self.cfg.block_size, self.max_model_len, self.device)
         if self.graphs is not None and batch.decode_only and len(scheduled) <= self.graphs.max_batch:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
@@ -322,7 +332,8 @@ class ModelRunner:
         self.states.finish_step(scheduled, sampled)
         self.tokens_computed += len(batch.input_ids)
         self.structured.advance([(t.seq_id, t.token_id) for t in sampled])
-        return StepResult(step.step_id, sampled, time.perf_counter() - t0, prompt_lps)
+        grammars = self.compiles.finished() if self.tp.is_driver else []
+        return StepResult(step.step_id, sampled, time.perf_counter() - t0, prompt_lps, grammars)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, plan: PromptLogprobPlan
@@ -351,4 +362,6 @@ class ModelRunner:
         if bad:
             raise ValueError(f"seq {new.seq_id}: token ids outside the vocabulary of {self.vocab_size}: {bad[:5]}")
         if self.tp.is_driver:  # rank 0 samples: its matcher replays what was generated already
+            if new.params.structured is not None:
+                self.compiles.settle(new.params.structured)  # a compile of it in flight: wait for that one
             self.structured.add(new.seq_id, new.params, new.token_ids[new.num_prompt_tokens:])

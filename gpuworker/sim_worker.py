@@ -226,7 +226,10 @@ class SimWorker:
         if self.cost_model is not None:
             t = self.cost_model.step_time(cost_seqs, bs, len(step.swap_in) + len(step.swap_out), len(step.copies))
             self.simulated_time_s += t
-        return wk.StepResult(step.step_id, sampled, forward_time_s=t)
+        # Its random tokens cannot follow a grammar: every asked one fails, so its requests do.
+        refused = [wk.GrammarStatus(spec, "structured outputs need the model worker, not --worker sim")
+                   for spec in step.compile]
+        return wk.StepResult(step.step_id, sampled, forward_time_s=t, grammars=refused)
 
 
 def expected_output(prompt: list[int], max_tokens: int, vocab_size: int, seed: int | None = None,

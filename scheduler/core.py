@@ -29,6 +29,7 @@ from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.frontend import AddRequest, ErrorKind, TokenDelta
 from pagedserve.scheduler.beam import BeamSearch
+from pagedserve.scheduler.grammar_gate import GrammarGate
 from pagedserve.scheduler.plan import StepPlan
 from pagedserve.scheduler.preemption import Preemption
 from pagedserve.scheduler.results import Results
@@ -82,6 +83,7 @@ class Scheduler(Preemption, Results):
         self._pending_drops: list[int] = []  # seq ids whose worker state to drop next step
         self._deltas: list[TokenDelta] = []  # produced outside a worker step (errors, aborts)
         self.block_stats: bm.BlockStats | None = None  # the blockmgr's, from its last reply
+        self.grammars = GrammarGate()  # requests whose grammar the worker still compiles
         self.num_preemptions = 0
         self.num_steps = 0
 
@@ -119,7 +121,8 @@ class Scheduler(Preemption, Results):
         self.groups[group.request_id] = group
         for s in seqs:
             self._track(group, s)
-        self.waiting.append(group)
+        if self.grammars.admit(group):
+            self.waiting.append(group)
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -132,11 +135,29 @@ class Scheduler(Preemption, Results):
                 self.running.remove(group)
             elif group in self.swapped:
                 self.swapped.remove(group)
+            else:
+                self.grammars.remove(group)
             self._finish_group(group, FinishReason.ABORT)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._pending_frees or self._pending_drops
-                    or self._pending_forks)
+                    or self._pending_forks or self.grammars.waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued for scheduling, or for their grammar (vLLM counts both as waiting)."""
+        return len(self.waiting) + len(self.grammars.waiting)
+
+    def on_grammars(self, statuses: list[wk.GrammarStatus]) -> None:
+        """Compiles the worker finished: their requests queue in arrival order, or fail."""
+        if not statuses:
+            return
+        ready, failed = self.grammars.on_compiled(statuses)
+        if ready:
+            self.waiting = deque(sorted([*self.waiting, *ready], key=lambda g: g.arrival_order))
+        for group, why in failed:
+            self._finish_group(group, FinishReason.ERROR, f"invalid structured output: {why}",
+                               ErrorKind.INVALID_REQUEST)
 
     def take_deltas(self) -> list[TokenDelta]:
         out, self._deltas = self._deltas, []
@@ -174,7 +195,7 @@ class Scheduler(Preemption, Results):
         for group in self.running:
             if group.needs_fork and group.tokens_to_compute(group.seqs[0]) == 0:
                 ops += self._fork_children(group)
-        plan = StepPlan(bm.StepRequest(ops))
+        plan = StepPlan(bm.StepRequest(ops), compile=self.grammars.take_asks())
         budget = self.cfg.max_num_batched_tokens
         bs = self.cfg.block_size
         # Blocks likely open to admissions: the blockmgr's last count (free blocks
@@ -229,7 +250,7 @@ class Scheduler(Preemption, Results):
                 ops += allocs
                 num_seqs += width
                 plan.admitted.append(group)
-        if not ops and not self._pending_drops:
+        if not ops and not self._pending_drops and not plan.compile and not self.grammars.waiting:
             return None
         return plan
 
@@ -403,11 +424,13 @@ class Scheduler(Preemption, Results):
             s.num_unknown_slots = unknown.get(s.seq_id, 0)
             s.num_pending = 1 if s.num_computed_tokens == len(s.token_ids) else 0
         drops, self._pending_drops = self._pending_drops, []
-        if not scheduled and not new_seqs and not drops and not plan.copies and not plan.swap_in and not plan.swap_out:
+        # A step with nothing to run still goes while grammars compile: it asks and brings answers.
+        if not (scheduled or new_seqs or drops or plan.copies or plan.swap_in or plan.swap_out or plan.compile
+                or self.grammars.waiting):
             return None
         self.num_steps += 1
         return wk.ExecuteStep(next(self._step_ids), new_seqs, diffs, scheduled, drops,
-                              plan.copies, plan.swap_in, plan.swap_out)
+                              plan.copies, plan.swap_in, plan.swap_out, plan.compile)
 
     # ------------------------------------------------------------ bookkeeping
     def _finish_seq(self, seq: Sequence, reason: FinishReason) -> None:

@@ -192,7 +192,7 @@ class EngineCore:
         sch = self.scheduler
         running_s = 0.0 if self._step_began is None else time.monotonic() - self._step_began
         if self.recovering:  # the blockmgr may be gone: no block counts to report
-            return fe.EngineStats(query_id, len(sch.running), len(sch.waiting), len(sch.swapped),
+            return fe.EngineStats(query_id, len(sch.running), sch.num_waiting, len(sch.swapped),
                                   0, 0, 0, 0, 0, 0, sch.num_preemptions, sch.num_steps, recovering=True,
                                   step_running_s=running_s)
         if self._step_began is None:
@@ -200,7 +200,7 @@ class EngineCore:
         else:
             s = sch.block_stats or bm.BlockStats(self.ready.num_gpu_blocks, 0, self.ready.num_cpu_blocks, 0, 0)
         assert isinstance(s, bm.BlockStats)
-        return fe.EngineStats(query_id, len(sch.running), len(sch.waiting), len(sch.swapped),
+        return fe.EngineStats(query_id, len(sch.running), sch.num_waiting, len(sch.swapped),
                               s.num_gpu_blocks, s.num_free_gpu_blocks, s.num_cpu_blocks, s.num_free_cpu_blocks,
                               s.prefix_cache_queries, s.prefix_cache_hits, sch.num_preemptions, sch.num_steps,
                               step_running_s=running_s)
@@ -256,7 +256,7 @@ class EngineCore:
 
     def _publish(self) -> None:
         sch = self.scheduler
-        self.counts = SchedulerCounts(len(sch.running), len(sch.waiting), len(sch.swapped), sch.num_preemptions,
+        self.counts = SchedulerCounts(len(sch.running), sch.num_waiting, len(sch.swapped), sch.num_preemptions,
                                       sch.num_steps, sch.block_stats)
 
     def handle(self, msg: fe.Request) -> fe.Reply | None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import worker as wk
+from pagedserve.common.messages.types import StructuredSpec
 from pagedserve.scheduler.sequence import Sequence, SequenceGroup
 
 
@@ -30,6 +31,7 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)  # request ids, this step
     unknown_slots: dict[int, int] = field(default_factory=dict)  # seq id -> its Append's num_lookahead
+    compile: list[StructuredSpec] = field(default_factory=list)  # grammars the worker is asked to compile
 
     def unschedule(self, group: SequenceGroup) -> None:
         for s in group.seqs:

@@ -30,7 +30,9 @@ def requeue_all(sch: Scheduler) -> int:
             s.num_blocks = 0
             s.num_pending, s.num_unknown_slots = 0, 0
             s.known_to_worker = False
-    sch.waiting = deque(groups)
+    # The restarted worker compiled nothing: constrained requests wait for their grammar again.
+    sch.grammars.reset()
+    sch.waiting = deque(g for g in groups if sch.grammars.admit(g))
     # Beam forks name parents the reset blockmgr no longer has: each new beam
     # is prefilled from its own tokens instead.
     sch._pending_forks, sch._pending_frees, sch._pending_drops = [], {}, []

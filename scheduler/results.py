@@ -16,6 +16,7 @@ from pagedserve.scheduler.beam import Hypothesis
 from pagedserve.scheduler.plan import StepPlan
 if TYPE_CHECKING:
     from pagedserve.scheduler.core import SchedulerConfig
+    from pagedserve.scheduler.grammar_gate import GrammarGate
 
 from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
 
@@ -35,6 +36,8 @@ class Results:
         def _seq_by_id(self, seq_id: int) -> Sequence: ...
         def _track(self, group: SequenceGroup, seq: Sequence) -> None: ...
         def _untrack(self, seq_id: int) -> None: ...
+        def on_grammars(self, statuses: list[wk.GrammarStatus]) -> None: ...
+        grammars: GrammarGate
         def take_deltas(self) -> list[TokenDelta]: ...
         def _finish_seq(self, seq: Sequence, reason: FinishReason) -> None: ...
         def _finish_group(self, group: SequenceGroup, reason: FinishReason, error: str | None = None,
@@ -55,6 +58,7 @@ class Results:
         return p
 
     def on_step_result(self, plan: StepPlan, result: wk.StepResult) -> list[TokenDelta]:
+        self.on_grammars(result.grammars)
         for seq, _ in plan.scheduled.values():
             seq.num_pending = 0  # computed counts moved on when the step was sent (build_execute)
         for pl in result.prompt_logprobs:
@@ -136,6 +140,7 @@ class Results:
 
     def on_step_failed(self, plan: StepPlan, message: str) -> list[TokenDelta]:
         """The worker failed the step: fail the requests it held, keep serving."""
+        self.grammars.unask(plan.compile)
         # A group aborted while the step ran (async scheduling) is gone already.
         hit = {g.request_id for s, _ in plan.scheduled.values() if (g := self._seq_group.get(s.seq_id)) is not None}
         for rid in hit:

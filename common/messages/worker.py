@@ -10,7 +10,10 @@ from __future__ import annotations
 import msgspec
 
 from pagedserve.common.blocks import usable_gpu_blocks
-from pagedserve.common.messages.types import ComponentRefusal, ModelInfo, SamplingParams
+from pagedserve.common.messages.types import ComponentRefusal, ModelInfo, SamplingParams, StructuredSpec
+
+# Compiled grammars the worker keeps (LRU); the scheduler's GrammarGate mirrors the set.
+GRAMMAR_CACHE_SIZE = 256
 
 
 class NewSeq(msgspec.Struct, array_like=True):
@@ -54,6 +57,9 @@ class ExecuteStep(msgspec.Struct, tag=30, array_like=True):
     swap_in: list[tuple[int, int]] = []  # (cpu, gpu)
     swap_out: list[tuple[int, int]] = []  # (gpu, cpu)
     # Swapped-out sequences keep their worker state but are not scheduled.
+    # Grammars to compile off the step path (scheduler/grammar_gate.py); each
+    # is answered once, in a later StepResult.grammars.
+    compile: list[StructuredSpec] = []
 
 
 class InitWorker(msgspec.Struct, tag=31, array_like=True):
@@ -87,11 +93,19 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
     entries: list[tuple[float, list[tuple[int, float]]]]
 
 
+class GrammarStatus(msgspec.Struct, array_like=True):
+    """An asked grammar finished compiling (``error`` None) or failed."""
+
+    spec: StructuredSpec
+    error: str | None = None
+
+
 class StepResult(msgspec.Struct, tag=40, array_like=True):
     step_id: int
     sampled: list[SampledToken]  # one per scheduled sequence that reached its end
     forward_time_s: float = 0.0
     prompt_logprobs: list[PromptLogprobs] = []
+    grammars: list[GrammarStatus] = []  # compiles finished since the last step
 
 
 class WorkerReady(msgspec.Struct, tag=41, array_like=True):
