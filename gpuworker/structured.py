@@ -24,9 +24,10 @@ from typing import Any, Protocol
 import torch
 
 from pagedserve.common.messages.types import SamplingParams, StructuredSpec
+from pagedserve.common.messages.worker import GRAMMAR_CACHE_SIZE
 from pagedserve.gpuworker.inputs import to_device
 
-MAX_CACHED_GRAMMARS = 256
+MAX_CACHED_GRAMMARS = GRAMMAR_CACHE_SIZE  # the scheduler's GrammarGate mirrors this set
 
 
 class ConstrainedRow(Protocol):
@@ -142,6 +143,16 @@ class StructuredDecoding:
         if len(self._cache) > MAX_CACHED_GRAMMARS:
             self._cache.popitem(last=False)
         return compiled
+
+    def has(self, spec: StructuredSpec) -> bool:
+        return (spec.kind, spec.spec) in self._cache
+
+    def keep(self, spec: StructuredSpec, compiled: Any) -> None:
+        """A grammar compiled elsewhere (grammar_compiler.AsyncCompiles) joins the cache."""
+        self.compiled += 1
+        self._cache[(spec.kind, spec.spec)] = compiled
+        if len(self._cache) > MAX_CACHED_GRAMMARS:
+            self._cache.popitem(last=False)
 
     def add(self, seq_id: int, params: SamplingParams, output_ids: Sequence[int]) -> None:
         """A (re-)sent sequence: a fresh matcher that has seen ``output_ids``."""
