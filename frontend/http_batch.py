@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from pagedserve.common.messages.frontend import ErrorKind
 from pagedserve.frontend.errors import ApiError
+from pagedserve.frontend.http_fields import check_ids, is_token_id
 from pagedserve.frontend.generation import EngineError, RequestStream
 from pagedserve.frontend.outputs import Chunk
+from pagedserve.frontend.validation import Limits
 from pagedserve.v1 import generation_pb2 as pb
 
 if TYPE_CHECKING:
@@ -27,20 +30,37 @@ if TYPE_CHECKING:
 MAX_BATCH_PROMPTS = 64
 Prompt = str | list[int]
 
+# The engine's reason for failing a request -> HTTP status and OpenAI error type, as
+# frontend/server.py's GRPC_STATUS does for gRPC: a request the scheduler refuses is the
+# client's (400), one that can never fit the KV cache is RESOURCE_EXHAUSTED there (429 here).
+_ENGINE_STATUS: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorKind.KV_CACHE: (429, "rate_limit_error"),
+    ErrorKind.UNAVAILABLE: (503, "service_unavailable"),
+}
 
-def _is_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
+
+def engine_api_error(e: EngineError) -> ApiError:
+    status, type_ = _ENGINE_STATUS.get(e.kind, (500, "server_error"))
+    return ApiError(status, str(e), type_, code=e.kind.name.lower())
 
 
-def completion_prompts(prompt: Any) -> list[Prompt]:
-    """A string, a token-id list, or a batch (list of strings / list of token-id lists)."""
+def engine_error_event(e: EngineError) -> dict[str, Any]:
+    """The error as a server-sent event (the stream's status line went out long ago)."""
+    err = engine_api_error(e)
+    return {"error": {"message": str(err), "type": err.type, "param": None, "code": err.code}}
+
+
+def completion_prompts(prompt: Any, limits: Limits) -> list[Prompt]:
+    """A string, a token-id list, or a batch (list of strings / list of token-id lists);
+    token ids are checked against the vocabulary here, before they meet a uint32 field."""
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
-        if all(_is_id(t) for t in prompt):
+        if all(is_token_id(t) for t in prompt):
             batch: list[Any] = [prompt]
         elif all(isinstance(p, str) for p in prompt) or all(
-                isinstance(p, list) and all(_is_id(t) for t in p) for p in prompt):
+                isinstance(p, list) and all(is_token_id(t) for t in p) for p in prompt):
             batch = list(prompt)
         else:
             batch = []
@@ -48,8 +68,9 @@ def completion_prompts(prompt: Any) -> list[Prompt]:
             raise ApiError(400, f"prompt: at most {MAX_BATCH_PROMPTS} prompts in a batch, got {len(batch)}",
                            param="prompt")
         if batch:
-            if any(isinstance(p, list) and any(t < 0 for t in p) for p in batch):
-                raise ApiError(400, "prompt: token ids must be non-negative", param="prompt")
+            for p in batch:
+                if isinstance(p, list):
+                    check_ids(p, limits, "prompt")
             return batch
     raise ApiError(400, f"prompt: must be a string, a list of token ids, or a batch of 1 to {MAX_BATCH_PROMPTS} "
                         "prompts (all strings or all token-id lists)", param="prompt")
@@ -121,7 +142,7 @@ async def run_batch(gw: "Gateway", request: web.Request, body: dict[str, Any], p
         return web.json_response({"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model,
                                   "choices": choices, "usage": _usage(streams)})
     except EngineError as e:
-        raise ApiError(500, str(e), "server_error") from None
+        raise engine_api_error(e) from None
     finally:
         for s in streams:
             s.close()
@@ -163,7 +184,7 @@ async def _stream(gw: "Gateway", request: web.Request, body: dict[str, Any], str
                 open_streams -= 1
                 continue
             if isinstance(item, EngineError):
-                await send({"error": {"message": str(item), "type": "server_error", "param": None, "code": None}})
+                await send(engine_error_event(item))
                 continue
             choices = []
             for c in item:

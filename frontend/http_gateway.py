@@ -8,8 +8,9 @@ with server-sent events; batches and ``echo`` in ``http_batch``. Also
 ``/v1/models``, ``/health`` (200 or 503), ``/metrics`` (with vLLM's names,
 ``vllm_metrics``) and vLLM's ``/tokenize``, ``/detokenize``, ``/version``
 (``http_extras``). A body field a route does not understand is a 400 naming it
-(``http_fields``). Errors use OpenAI's shape:
-``{"error": {"message", "type", "param", "code"}}``.
+(``http_fields``). Bodies are decoded with bounded nesting and finite numbers only
+(``http_json``); slow, idle and surplus connections are closed (``http_conn``).
+Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ from pagedserve.frontend import openai_structured, openai_tools
 from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.auth import ApiKeys
 from pagedserve.frontend.engine_client import DuplicateRequestId
-from pagedserve.frontend import http_batch, http_extras
+from pagedserve.frontend import http_batch, http_extras, http_fields, http_json
 from pagedserve.frontend.errors import ApiError
+from pagedserve.frontend.http_conn import ClosingError, ConnectionGuard, HttpLimits, read_body, send_and_close
 from pagedserve.frontend.http_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from pagedserve.frontend.generation import EngineError, GenerationService, Rejected, RequestStream
 from pagedserve.frontend.outputs import Chunk
-from pagedserve.frontend.validation import DEFAULT_COMPLETION_MAX_TOKENS, MAX_REQUEST_BYTES, ValidationError
+from pagedserve.frontend.validation import DEFAULT_COMPLETION_MAX_TOKENS, MAX_REQUEST_BYTES, Limits, ValidationError
 from pagedserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("pagedserve.frontend")
@@ -57,8 +59,8 @@ def _openai_param(field: str) -> str:
 def _set(sp: pb.SamplingParams, name: str, value: Any, param: str) -> None:
     try:
         setattr(sp, name, value)
-    except (TypeError, ValueError) as e:
-        raise ApiError(400, f"{param}: invalid value {value!r} ({e})", param=param) from None
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ApiError(400, f"{param}: invalid value {str(value)[:80]} ({e})", param=param) from None
 
 
 class Gateway:
@@ -71,10 +73,12 @@ class Gateway:
         # /v1/models reports the first; 'model' may be any (or the engine's own name).
         self.served_names = served_names or []
         self.before_metrics: Callable[[], Awaitable[None]] | None = None  # fresh engine gauges per scrape
+        self.http_limits = HttpLimits.from_env()
+        self.guard = ConnectionGuard(self.http_limits.max_connections)
 
     # ------------------------------------------------------------ plumbing
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self._errors])
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self.guard.middleware, self._errors])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
@@ -89,6 +93,8 @@ class Gateway:
             if request.path not in ("/health", "/metrics"):
                 self._key_id(request)
             return await handler(request)
+        except ClosingError as e:
+            return await send_and_close(request, e)
         except ApiError as e:
             return e.response()
         except web.HTTPException as e:
@@ -110,11 +116,16 @@ class Gateway:
             raise ApiError(503, "the engine is still starting", "service_unavailable")
         return self.served_names[0] if self.served_names else self.svc.info.model.model_name
 
+    def _limits(self) -> Limits:
+        self._model_name()  # 503 while the engine starts (no vocabulary yet)
+        return self.svc.limits
+
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"body: not valid JSON ({e})", param="body") from None
+        raw = await read_body(request, self.http_limits.body_timeout_s)
+        if len(raw) > http_json.ON_LOOP_BYTES:  # a 4 MiB body takes ~0.1 s to scan and parse
+            body = await self.svc.off_loop(len(raw), http_json.decode_body, raw, request.charset)
+        else:
+            body = http_json.decode_body(raw, request.charset)
         if not isinstance(body, dict):
             raise ApiError(400, "body: must be a JSON object", param="body")
         model = body.get("model")
@@ -162,22 +173,14 @@ class Gateway:
             if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
                 raise ApiError(400, "stop: must be a string or a list of strings", param="stop")
             sp.stop.extend(stops)
+        # Repeated and map fields cannot be assigned: extended once their ids are known good.
         if body.get("stop_token_ids") is not None:
-            _set(sp, "stop_token_ids", body["stop_token_ids"], "stop_token_ids")
-        bias = body.get("logit_bias")
-        if bias is not None:
-            if not isinstance(bias, dict):
-                raise ApiError(400, "logit_bias: must be an object of token id -> bias", param="logit_bias")
-            try:
-                entries = {int(k): float(v) for k, v in bias.items()}
-            except (TypeError, ValueError):
-                raise ApiError(400, "logit_bias: keys must be token ids and values numbers",
-                               param="logit_bias") from None
-            if any(k < 0 for k in entries):
-                raise ApiError(400, "logit_bias: token ids must be non-negative", param="logit_bias")
-            _set(sp, "logit_bias", entries, "logit_bias")
+            sp.stop_token_ids.extend(http_fields.token_ids(body["stop_token_ids"], self._limits(), "stop_token_ids"))
+        if body.get("logit_bias") is not None:
+            sp.logit_bias.update(http_fields.logit_bias(body["logit_bias"], self._limits()))
         if isinstance(body.get("cache_salt"), str):
             req.cache_salt = body["cache_salt"]
+        http_json.check_schema_texts(body)
         try:  # response_format, structured_outputs, guided_*: frontend/openai_structured.py
             openai_structured.apply_structured(body, sp)
         except ValidationError as e:
@@ -208,7 +211,7 @@ class Gateway:
         check_fields(body, COMPLETION_FIELDS)
         if body.get("suffix"):
             raise ApiError(400, "suffix: not supported", param="suffix")
-        prompts = http_batch.completion_prompts(body.get("prompt"))
+        prompts = http_batch.completion_prompts(body.get("prompt"), self._limits())
         reqs = []
         for prompt in prompts:
             req = pb.GenerateRequest()
@@ -300,7 +303,7 @@ class Gateway:
             return web.json_response({"id": ctx.id, "object": ctx.object, "created": ctx.created,
                                       "model": ctx.model, "choices": choices, "usage": _usage(stream)})
         except EngineError as e:
-            raise ApiError(500, str(e), "server_error") from None
+            raise http_batch.engine_api_error(e) from None
         finally:
             stream.close()
 
@@ -321,7 +324,7 @@ class Gateway:
                     await send({"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model,
                                 "choices": choices})
         except EngineError as e:
-            await send({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            await send(http_batch.engine_error_event(e))
         if (body.get("stream_options") or {}).get("include_usage"):
             await send({"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model, "choices": [],
                         "usage": _usage(stream)})
@@ -343,8 +346,11 @@ def _usage(stream: RequestStream) -> dict[str, int]:
 
 async def start(gateway: Gateway, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> web.AppRunner:
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the request.
-    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(gateway.app(), handler_cancellation=True, access_log=None,
+                           **gateway.http_limits.runner_kwargs())
     await runner.setup()
+    assert runner.server is not None
+    gateway.guard.attach(runner.server)
     await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     return runner
 

@@ -93,7 +93,8 @@ def check_text(text: str, limits: Limits, field: str) -> None:
 
 
 def check_token_ids(ids: list[int] | tuple[int, ...], limits: Limits, field: str) -> None:
-    bad = next((t for t in ids if t >= limits.vocab_size), None)
+    # Negative ids cannot come over gRPC (uint32) but can from HTTP JSON or in-process callers.
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise ValidationError(field, f"token id {bad} is outside the vocabulary (vocab_size={limits.vocab_size})")
 
