@@ -19,7 +19,7 @@ from types import FrameType
 import zmq
 
 from pagedserve.blockmgr.manager import BlockManager
-from pagedserve.common.config import add_address_args, add_engine_args
+from pagedserve.common.config import add_address_args, add_engine_args, addresses_from_args, check_addresses
 from pagedserve.common.ipc import BadFrame, RepServer
 from pagedserve.common.metrics import add_metrics_arg, serve_blockmgr_metrics
 from pagedserve.common.messages.blockmgr import (
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     add_metrics_arg(p, "blockmgr")
     add_engine_args(p)  # accepted (the launcher hands every child the same flags), unused
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    check_addresses(addresses_from_args(args), "blockmgr")  # fail fast (issue 19), as the others do
     logging.basicConfig(level=logging.INFO, format="%(asctime)s blockmgr %(levelname)s %(message)s")
     return serve(args.blockmgr_addr, args.metrics_port, args.metrics_host)
 

@@ -212,6 +212,19 @@ def addresses_from_args(args: argparse.Namespace) -> Addresses:
     return Addresses(args.scheduler_in, args.scheduler_out, args.blockmgr_addr, args.worker_addr)
 
 
+# The addresses each component opens (the others may be set, e.g. by compose, and are not checked).
+_OPENS = {"frontend": ("scheduler_in", "scheduler_out"), "blockmgr": ("blockmgr",), "gpuworker": ("worker",),
+          "scheduler": ("scheduler_in", "scheduler_out", "blockmgr", "worker")}
+
+
+def check_addresses(addrs: Addresses, role: str) -> None:
+    """Right after argument parsing, before anything loads (issue 19): the
+    addresses ``role`` opens parse, and tcp:// ones have usable CurveZMQ keys
+    or the explicit opt-out. Raises curve.InsecureTransport (a BadInternalConfig
+    for a malformed address or key file), which the CLI prints as one line."""
+    curve.check_security(getattr(addrs, name) for name in _OPENS[role])
+
+
 def engine_argv(cfg: EngineConfig) -> list[str]:
     """The command-line flags that rebuild ``cfg`` in a child process."""
     out: list[str] = []

@@ -9,19 +9,26 @@ host, and their folder is private (``rundir``).
 A tcp:// socket without keys is refused (``InsecureTransport``), loopback
 included: any local user can reach a loopback port. The explicit opt-out is
 ``--insecure-internal-tcp`` or ``PAGEDSERVE_INSECURE_INTERNAL_TCP=1``.
+
+``check_security`` says so at start-up, right after argument parsing, before
+a component loads anything (the model takes a minute): each address parses,
+and tcp:// ones have readable, well-formed keys (or the opt-out).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import zmq
 import zmq.auth
+import zmq.utils.z85
 
+from pagedserve.common import resolve
 from pagedserve.common.env import PREFIX, env, env_flag
 
 ENV = "PAGEDSERVE_CURVE_KEYS"
@@ -30,6 +37,12 @@ INSECURE_ENV = "PAGEDSERVE_INSECURE_INTERNAL_TCP"
 
 class InsecureTransport(RuntimeError):
     """A tcp:// internal socket without CurveZMQ keys and without the opt-out."""
+
+
+class BadInternalConfig(InsecureTransport):
+    """CurveZMQ keys that cannot be read or are malformed, or an internal
+    address that does not parse. A subclass so that the CLI reports it as one
+    line and exit status 2, as it does InsecureTransport."""
 
 
 def allow_insecure() -> None:
@@ -58,15 +71,61 @@ class CurveKeys:
 
 @lru_cache(maxsize=4)
 def load(directory: str) -> CurveKeys:
-    public, secret = zmq.auth.load_certificate(os.path.join(directory, "server.key_secret"))
+    path = os.path.join(directory, "server.key_secret")
+    public, secret = zmq.auth.load_certificate(path)
     if secret is None:
-        raise ValueError(f"{directory}/server.key_secret holds no secret key")
+        raise ValueError(f"{path} holds no secret key")
+    # Well formed: two Z85 keys of 32 bytes, the public one belonging to the secret one.
+    try:
+        if len(zmq.utils.z85.decode(public)) != 32 or len(zmq.utils.z85.decode(secret)) != 32:
+            raise ValueError
+        matches = zmq.curve_public(secret) == public
+    except (ValueError, KeyError, IndexError, TypeError, zmq.ZMQError):
+        raise ValueError(f"{path} does not hold 40-character Z85 CurveZMQ keys") from None
+    if not matches:
+        raise ValueError(f"{path}: the public key is not the secret key's")
     return CurveKeys(public, secret)
 
 
 def from_env() -> CurveKeys | None:
     directory = env(ENV.removeprefix(PREFIX))
     return load(directory) if directory else None
+
+
+def _refusal(addr: str) -> InsecureTransport:
+    return InsecureTransport(
+        f"internal socket {addr} is tcp:// without CurveZMQ keys: anyone who reaches the port could "
+        f"send it commands. Run `pagedserve keygen DIR` and set {ENV}=DIR for every component, or opt "
+        f"out explicitly with --insecure-internal-tcp ({INSECURE_ENV}=1)")
+
+
+def check_security(addrs: Iterable[str]) -> None:
+    """Fail fast, before anything loads: raises ``BadInternalConfig`` for an
+    address that does not parse or keys that cannot be used, and
+    ``InsecureTransport`` for tcp:// without keys and without the opt-out
+    (what ``secure`` would raise later, once the socket is opened)."""
+    addrs = list(addrs)
+    for addr in addrs:
+        try:
+            resolve.check_address(addr)
+        except ValueError as e:
+            raise BadInternalConfig(f"internal address {addr!r} does not parse: {e}") from None
+    tcp = [a for a in addrs if a.startswith("tcp://")]
+    if not tcp:
+        return  # ipc:// only: no keys needed, and unused ones are not read
+    directory = env(ENV.removeprefix(PREFIX))
+    if not directory:
+        if insecure_allowed():
+            return
+        raise _refusal(tcp[0])
+    path = os.path.join(directory, "server.key_secret")
+    if not os.access(path, os.R_OK):
+        why = "permission denied" if os.path.exists(path) else "no such file"
+        raise BadInternalConfig(f"{ENV}={directory}: cannot read {path} ({why}); `pagedserve keygen DIR` writes it")
+    try:
+        load(directory)
+    except (OSError, ValueError) as e:
+        raise BadInternalConfig(f"{ENV}={directory}: cannot use the CurveZMQ keys: {e}") from None
 
 
 def secure(sock: zmq.Socket[Any], addr: str, bind: bool, keys: CurveKeys | None) -> None:
@@ -76,10 +135,7 @@ def secure(sock: zmq.Socket[Any], addr: str, bind: bool, keys: CurveKeys | None)
     if keys is None:
         if insecure_allowed():
             return
-        raise InsecureTransport(
-            f"internal socket {addr} is tcp:// without CurveZMQ keys: anyone who reaches the port could "
-            f"send it commands. Run `pagedserve keygen DIR` and set {ENV}=DIR for every component, or opt "
-            f"out explicitly with --insecure-internal-tcp ({INSECURE_ENV}=1)")
+        raise _refusal(addr)
     if bind:
         sock.curve_secretkey = keys.secret
         sock.curve_publickey = keys.public

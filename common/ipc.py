@@ -13,9 +13,8 @@ channel's typed error so its state machine keeps going.
 """
 from __future__ import annotations
 
-import logging
+import asyncio
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -23,155 +22,86 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
-from pagedserve.common import curve
-from pagedserve.common.messages.types import RefusalKind
-from pagedserve.common.rundir import ensure_private_dir
+from pagedserve.common import resolve
+from pagedserve.common.ipc_base import (  # noqa: F401 - re-exported: callers import them from here
+    HEARTBEAT_IVL_MS,
+    HEARTBEAT_TIMEOUT_MS,
+    LOG_EVERY_S,
+    MAX_SKIP,
+    POLL_MS,
+    BadFrame,
+    ChannelTimeout,
+    Interrupted,
+    PeerLost,
+    WrongPeer,
+    _cleanup_ipc,
+    _encoder,
+    _open,
+    _socket_name,
+    _Typed,
+    dropped_frames,
+    log,
+    note_dropped,
+)
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-_encoder = msgspec.msgpack.Encoder()
-
-
-log = logging.getLogger("pagedserve.ipc")
-LOG_EVERY_S = 10.0
-MAX_SKIP = 10_000  # bad frames skipped per get() before giving the caller control back
-POLL_MS = 100  # a waiting call checks its stop flag and its peer this often
-# ZMTP heartbeats (answered by the peer's ZeroMQ I/O thread, even mid-step):
-# a silent tcp peer counts as disconnected after HEARTBEAT_TIMEOUT_MS.
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 10_000
-
-
-class ChannelTimeout(TimeoutError):
-    """The peer did not answer in time (it may be gone)."""
-
-
-class PeerLost(ConnectionError):
-    """The peer disconnected while a reply was awaited: it will never come."""
-
-
-class Interrupted(InterruptedError):
-    """The caller's stop flag was set while waiting for a reply."""
-
-
-class BadFrame(ValueError):
-    """A frame that does not decode as the socket's message union."""
-
-    kind = RefusalKind.BAD_FRAME
-
-
-class WrongPeer(BadFrame):
-    """A well-formed request from a peer that does not own the session."""
-
-    kind = RefusalKind.WRONG_PEER
-
-
-_dropped: dict[str, int] = {}
-_last_log: dict[str, float] = {}
-_lock = threading.Lock()
-
-
-def dropped_frames() -> dict[str, int]:
-    """Frames dropped so far in this process, per socket name."""
-    with _lock:
-        return dict(_dropped)
-
-
-def note_dropped(socket: str, err: BaseException) -> None:
-    with _lock:
-        n = _dropped[socket] = _dropped.get(socket, 0) + 1
-        now = time.monotonic()
-        if now - _last_log.get(socket, -LOG_EVERY_S) < LOG_EVERY_S:
-            return
-        _last_log[socket] = now
-    log.warning("dropped a malformed frame on %s (%d so far): %s", socket, n, str(err)[:200])
-
-
-def _socket_name(addr: str) -> str:
-    """A metrics label: the ipc file's stem, or the tcp address."""
-    if addr.startswith("ipc://"):
-        return os.path.basename(addr).rsplit(".", 1)[0] or addr
-    return addr
-
-
-def _cleanup_ipc(addr: str) -> None:
-    if addr.startswith("ipc://"):
-        path = addr[len("ipc://"):]
-        if os.path.exists(path):
-            os.unlink(path)
-
-
-def _open(ctx: zmq.Context[Any], kind: int, addr: str, bind: bool) -> zmq.Socket[Any]:
-    if addr.startswith("ipc://"):
-        # Raises UnsafeRunDir before anything is created in a foreign folder.
-        ensure_private_dir(os.path.dirname(addr[len("ipc://"):]))
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    if kind == zmq.REQ:
-        # A fixed routing id (set before connecting) survives reconnects, so a
-        # server keeps this client as its session owner (RepServer).
-        sock.setsockopt(zmq.ROUTING_ID, b"req-" + os.urandom(12))
-    try:
-        curve.secure(sock, addr, bind, curve.from_env())
-    except BaseException:
-        sock.close(linger=0)
-        raise
-    if addr.startswith("tcp://"):
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    if bind:
-        if addr.startswith("ipc://"):
-            _cleanup_ipc(addr)
-        sock.bind(addr)
-    else:
-        sock.connect(addr)
-    return sock
-
-
-class _Typed(Generic[T]):
-    def __init__(self, sock: zmq.Socket[Any], recv_type: Any, addr: str, bind: bool) -> None:
-        self.sock = sock
-        self.addr = addr
-        self.name = _socket_name(addr)
-        self._bound = bind
-        self._decoder = msgspec.msgpack.Decoder(recv_type)
-
-    def _decode_parts(self, parts: list[Any]) -> T:
-        """Decodes a whole message (one part); raises ``BadFrame`` after counting it."""
-        try:
-            if len(parts) != 1:
-                raise BadFrame(f"{len(parts)}-part message; expected one frame")
-            return self._decoder.decode(parts[0].buffer)  # type: ignore[no-any-return]
-        except (msgspec.DecodeError, BadFrame) as e:
-            err = e if isinstance(e, BadFrame) else BadFrame(str(e))
-            note_dropped(self.name, err)
-            raise err from None
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        if self._bound:
-            _cleanup_ipc(self.addr)
 
 
 class ReqClient(_Typed[R]):
     """Blocking request/reply client with a timeout (REQ socket)."""
 
     def __init__(self, ctx: zmq.Context[Any], addr: str, reply_type: Any) -> None:
-        super().__init__(_open(ctx, zmq.REQ, addr, bind=False), reply_type, addr, bind=False)
+        self._ctx = ctx
+        self._link = resolve.link(addr, watched=True)
+        self._routing_id = b"req-" + os.urandom(12)
+        self._pending: bytes | None = None  # the request awaiting its reply
+        self._reached = False  # it may have reached a peer: never sent twice then
+        super().__init__(self._new_socket(addr), reply_type, addr, bind=False)
+
+    def _new_socket(self, addr: str) -> zmq.Socket[Any]:
+        sock = _open(self._ctx, zmq.REQ, addr, False, self._link, self._routing_id)
         # A timed-out REQ socket may be reused: the next send starts a new round trip.
-        self.sock.setsockopt(zmq.REQ_RELAXED, 1)
-        self.sock.setsockopt(zmq.REQ_CORRELATE, 1)
-        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.setsockopt(zmq.REQ_RELAXED, 1)
+        sock.setsockopt(zmq.REQ_CORRELATE, 1)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED if self._link is None else
+                                                resolve.WATCH_EVENTS)
+        return sock
 
     def _peer_lost(self) -> bool:
+        """True once per disconnect (drains the monitor); follows a peer that moved."""
         lost = False
         while self._monitor.poll(0):
-            recv_monitor_message(self._monitor)
-            lost = True
+            ev = recv_monitor_message(self._monitor)
+            lost = lost or ev["event"] == zmq.EVENT_DISCONNECTED
+            if self._link is not None:
+                self._link.note(ev["event"], ev["endpoint"])
+                self._reached = self._reached or self._link.up
+        if self._link is not None and self._link.target() is not None:
+            lost = self._move() or lost
         return lost
+
+    def _move(self) -> bool:
+        """A new socket (same routing id, keys and options) at the peer's new
+        address, so that nothing of the old endpoint's session lingers (see
+        resolve.follow). A request that never reached a peer is sent again;
+        True if one may have (it is lost with that peer)."""
+        assert self._link is not None
+        to = self._link.target()
+        assert to is not None
+        self.sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self.sock.close(linger=0)
+        self._link.moved(to)
+        self.sock = self._new_socket(self.addr)
+        if self._pending is None or not self._reached:
+            if self._pending is not None:
+                self.sock.send(self._pending, copy=False)
+            return False
+        self._pending = None
+        return True
 
     def call(self, msg: msgspec.Struct, timeout_s: float | None = None,
              stop: Callable[[], bool] | None = None) -> R:
@@ -185,26 +115,34 @@ class ReqClient(_Typed[R]):
     def send(self, msg: msgspec.Struct) -> None:
         """The request half of ``call``; ``reply`` must follow."""
         self._peer_lost()  # forget disconnects from before this request
-        self.sock.send(_encoder.encode(msg), copy=False)
+        data = _encoder.encode(msg)
+        self.sock.send(data, copy=False)
+        if self._link is not None:
+            self._pending, self._reached = data, self._link.up
 
     def reply(self, timeout_s: float | None = None, stop: Callable[[], bool] | None = None) -> R:
         """The reply half of ``call`` (its errors)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            wait = POLL_MS if deadline is None else max(0, min(POLL_MS, int((deadline - time.monotonic()) * 1000)))
-            if self.sock.poll(wait):
-                break
-            if stop is not None and stop():
-                raise Interrupted(f"stopped while waiting for {self.addr}")
-            if self._peer_lost():
-                raise PeerLost(f"{self.addr} disconnected while a reply was awaited")
-            if deadline is not None and time.monotonic() >= deadline:
-                raise ChannelTimeout(f"no reply from {self.addr} within {timeout_s}s")
-        return self._decode_parts(self.sock.recv_multipart(copy=False))
+        try:
+            while True:
+                wait = POLL_MS if deadline is None else max(0, min(POLL_MS, int((deadline - time.monotonic()) * 1000)))
+                if self.sock.poll(wait):
+                    break
+                if stop is not None and stop():
+                    raise Interrupted(f"stopped while waiting for {self.addr}")
+                if self._peer_lost():
+                    raise PeerLost(f"{self.addr} disconnected while a reply was awaited")
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise ChannelTimeout(f"no reply from {self.addr} within {timeout_s}s")
+            return self._decode_parts(self.sock.recv_multipart(copy=False))
+        finally:
+            self._pending = None
 
     def close(self) -> None:
         self.sock.disable_monitor()
         self._monitor.close(linger=0)
+        if self._link is not None:
+            self._link.close()
         super().close()
 
 
@@ -290,9 +228,12 @@ class PushQueue(Generic[T]):
         self.addr = addr
         self._bound = bind
         self._stop = stop
-        self.sock = _open(ctx, zmq.PUSH, addr, bind)
+        self._link = None if bind else resolve.link(addr, watched=False)
+        self.sock = _open(ctx, zmq.PUSH, addr, bind, self._link)
 
     def put(self, msg: msgspec.Struct) -> None:
+        if self._link is not None:
+            resolve.follow(self.sock, self._link)
         data = _encoder.encode(msg)
         if self._stop is None:
             self.sock.send(data, copy=False)
@@ -304,6 +245,8 @@ class PushQueue(Generic[T]):
         self.sock.send(data, copy=False)
 
     def close(self) -> None:
+        if self._link is not None:
+            self._link.close()
         self.sock.close(linger=0)
         if self._bound:
             _cleanup_ipc(self.addr)
@@ -311,13 +254,20 @@ class PushQueue(Generic[T]):
 
 class PullQueue(_Typed[T]):
     def __init__(self, ctx: zmq.Context[Any], addr: str, msg_type: Any, bind: bool) -> None:
-        super().__init__(_open(ctx, zmq.PULL, addr, bind), msg_type, addr, bind)
+        self._link = None if bind else resolve.link(addr, watched=False)
+        super().__init__(_open(ctx, zmq.PULL, addr, bind, self._link), msg_type, addr, bind)
+
+    def _follow(self) -> None:
+        if self._link is not None:
+            resolve.follow(self.sock, self._link)
 
     def poll(self, timeout_ms: int) -> bool:
+        self._follow()
         return bool(self.sock.poll(timeout_ms))
 
     def get(self) -> T:
         """The next message that decodes (bad frames are dropped)."""
+        self._follow()
         while True:
             try:
                 return self._decode_parts(self.sock.recv_multipart(copy=False))
@@ -326,6 +276,7 @@ class PullQueue(_Typed[T]):
 
     def get_nowait(self) -> T | None:
         """The next message that decodes, or None when none is waiting."""
+        self._follow()
         for _ in range(MAX_SKIP):
             try:
                 return self._decode_parts(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
@@ -333,19 +284,76 @@ class PullQueue(_Typed[T]):
                 return None
             except BadFrame:
                 continue
-        return None
+    def close(self) -> None:
+        if self._link is not None:
+            self._link.close()
+        super().close()
+
+
+class _AsyncFollow:
+    """An asyncio socket that follows its host name to a new address, on its
+    own event loop (resolve.py). A watched one (PUSH) reads its monitor to say
+    whether it is connected; a PULL's monitor is its caller's (the frontend
+    watches it for the scheduler's disconnects), so a PULL follows the address
+    found for the host's watched sockets."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, link: resolve.Link) -> None:
+        self.sock, self.link = sock, link
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._started = False
+        self.start()
+
+    def start(self) -> None:
+        """Once, on the running loop (also called from put/get: a queue may be made before it runs)."""
+        if self._started:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._started = True
+        self.link.on_move = lambda: loop.call_soon_threadsafe(self.follow)
+        if self.link.watched:
+            self._monitor = self.sock.get_monitor_socket(resolve.WATCH_EVENTS)
+            self._task = loop.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        assert self._monitor is not None
+        while True:
+            ev = parse_monitor_message(await self._monitor.recv_multipart())
+            self.link.note(int(ev["event"]), ev["endpoint"])
+            self.follow()
+
+    def follow(self) -> None:
+        resolve.follow(self.sock, self.link)
+
+    def close(self) -> None:
+        self.link.on_move = None
+        if self._task is not None:
+            self._task.cancel()
+        if self._monitor is not None:
+            self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+        self.link.close()
 
 
 class AsyncPushQueue(Generic[T]):
     def __init__(self, ctx: zmq.asyncio.Context, addr: str, bind: bool) -> None:
         self.addr = addr
         self._bound = bind
-        self.sock = _open(ctx, zmq.PUSH, addr, bind)
+        link = None if bind else resolve.link(addr, watched=True)
+        self.sock = _open(ctx, zmq.PUSH, addr, bind, link)
+        self._follow = None if link is None else _AsyncFollow(self.sock, link)
 
     async def put(self, msg: msgspec.Struct) -> None:
+        if self._follow is not None:
+            self._follow.start()
         await self.sock.send(_encoder.encode(msg), copy=False)
 
     def close(self) -> None:
+        if self._follow is not None:
+            self._follow.close()
         self.sock.close(linger=0)
         if self._bound:
             _cleanup_ipc(self.addr)
@@ -353,13 +361,22 @@ class AsyncPushQueue(Generic[T]):
 
 class AsyncPullQueue(_Typed[T]):
     def __init__(self, ctx: zmq.asyncio.Context, addr: str, msg_type: Any, bind: bool) -> None:
-        super().__init__(_open(ctx, zmq.PULL, addr, bind), msg_type, addr, bind)
+        link = None if bind else resolve.link(addr, watched=False)
+        super().__init__(_open(ctx, zmq.PULL, addr, bind, link), msg_type, addr, bind)
+        self._follow = None if link is None else _AsyncFollow(self.sock, link)
 
     async def get(self) -> T:
         """The next message that decodes (bad frames are dropped)."""
+        if self._follow is not None:
+            self._follow.start()
         while True:
             parts = await self.sock.recv_multipart(copy=False)
             try:
                 return self._decode_parts(parts)
             except BadFrame:
                 continue
+
+    def close(self) -> None:
+        if self._follow is not None:
+            self._follow.close()
+        super().close()

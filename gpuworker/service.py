@@ -23,6 +23,7 @@ import zmq
 
 from pagedserve.common.lifecycle import StopFlag, die_with_parent
 from pagedserve.common.config import EngineConfig, add_address_args, add_engine_args, config_from_args, worker_threads
+from pagedserve.common.config import addresses_from_args, check_addresses
 from pagedserve.common.ipc import BadFrame, RepServer
 from pagedserve.common.metrics import add_metrics_arg, serve_worker_metrics
 from pagedserve.common.messages import worker as wk
@@ -112,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set by rank 0 for its ranks
     parser.add_argument("--tp-port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    cfg = config_from_args(args)
+    # Fail fast (issue 19): a refused socket must not wait for the model to load first.
+    check_addresses(addresses_from_args(args), "gpuworker")
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
     tp_size = 1 if cfg.worker == "sim" else cfg.tensor_parallel_size
     _limit_cpu_threads(cfg.device, tp_size)
     if args.tp_rank > 0:
