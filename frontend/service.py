@@ -16,7 +16,8 @@ from typing import Any
 from grpc_health.v1 import health
 
 from pagedserve.common.env import env, env_int
-from pagedserve.common.config import add_address_args, add_engine_args, addresses_from_args, config_from_args
+from pagedserve.common.config import (add_address_args, add_engine_args, addresses_from_args, check_addresses,
+                                       config_from_args)
 from pagedserve.common.default_model import DEFAULT_MODEL_ID, resolve_model
 from pagedserve.common.metrics import FrontendMetrics, add_metrics_arg, serve_metrics
 from pagedserve.frontend import http_gateway
@@ -126,6 +127,7 @@ def main(argv: list[str]) -> int:
                    help="no scheduler answer within this: NOT_SERVING (a lost scheduler: open streams end unless one is back)")
     p.add_argument("--engine-timeout", type=float, default=1800.0, help="seconds to wait for the engine to start")
     args = p.parse_args(argv)
+    check_addresses(addresses_from_args(args), "frontend")  # fail fast: before anything loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
     return asyncio.run(run(args))
 

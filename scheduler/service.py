@@ -13,7 +13,8 @@ import zmq
 from pagedserve.common import ipc
 from pagedserve.common.env import env
 from pagedserve.common.lifecycle import StopFlag
-from pagedserve.common.config import add_address_args, add_engine_args, addresses_from_args, config_from_args
+from pagedserve.common.config import (add_address_args, add_engine_args, addresses_from_args, check_addresses,
+                                       config_from_args)
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages import worker as wk
@@ -60,6 +61,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--step-timeout", type=float, default=float(env("STEP_TIMEOUT", 600.0)),
                    help="seconds a live but slow worker step is waited for (env PAGEDSERVE_STEP_TIMEOUT)")
     args = p.parse_args(argv)
+    check_addresses(addresses_from_args(args), "scheduler")  # fail fast: before anything loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
     cfg = config_from_args(args)
     addrs = addresses_from_args(args)

@@ -66,10 +66,11 @@ def write_keys(folder: Path) -> Path:
     return folder
 
 
-OPT = {"blockmgr": "--blockmgr-addr", "gpuworker": "--worker-addr"}
+OPT = {"blockmgr": "--blockmgr-addr", "gpuworker": "--worker-addr", "scheduler": "--scheduler-in",
+       "frontend": "--scheduler-in"}
 
 
-@pytest.mark.parametrize("component", ["gpuworker", "blockmgr"])
+@pytest.mark.parametrize("component", ["gpuworker", "blockmgr", "scheduler", "frontend"])
 def test_plain_tcp_is_refused_within_the_import_time(component: str, tmp_path: Path) -> None:
     """The default model (no --model): loading it would take a minute and fill the cache."""
     env = clean_env(tmp_path)
