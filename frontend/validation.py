@@ -7,6 +7,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from pagedserve.common.bounds import (MAX_ABS_LENGTH_PENALTY, MAX_ABS_PENALTY, MAX_LOGPROBS,  # noqa: F401 - re-exported
+                                       MAX_REPETITION_PENALTY, MAX_SEED, MAX_TEMPERATURE, MIN_POSITIVE)
 from pagedserve.common.messages.types import SamplingParams
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -18,16 +20,10 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # one GenerateRequest, serialized
 MAX_REQUEST_ID_LEN = 128
 MAX_CACHE_SALT_LEN = 256
-MAX_TEMPERATURE = 100.0
-MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
-MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_ABS_LOGIT_BIAS = 100.0
-MAX_REPETITION_PENALTY = 10.0
-MAX_ABS_PENALTY = 2.0  # presence / frequency, as OpenAI
-MAX_ABS_LENGTH_PENALTY = 10.0
 MAX_ABORT_IDS = 1024
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]+$")
 
@@ -146,7 +142,7 @@ def sampling_params(sp: pb.SamplingParams, prompt_len: int, limits: Limits) -> P
     temperature = sp.temperature if sp.HasField("temperature") else 1.0
     _finite_in(temperature, 0.0, MAX_TEMPERATURE, f + "temperature")
     top_p = sp.top_p if sp.HasField("top_p") else 1.0
-    _finite_in(top_p, 0.0, 1.0, f + "top_p", lo_open=True)
+    _finite_in(top_p, MIN_POSITIVE, 1.0, f + "top_p")
     if sp.top_k < 0 or sp.top_k > limits.vocab_size:
         raise ValidationError(f + "top_k", f"must be in [0, {limits.vocab_size}], got {sp.top_k}")
     _finite_in(sp.min_p, 0.0, 1.0, f + "min_p")
@@ -177,7 +173,7 @@ def sampling_params(sp: pb.SamplingParams, prompt_len: int, limits: Limits) -> P
         raise ValidationError(f + "stop_token_ids", f"at most {limits.max_stop_ids} ids, got {len(sp.stop_token_ids)}")
     check_token_ids(sp.stop_token_ids, limits, f + "stop_token_ids")
     repetition_penalty = sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0
-    _finite_in(repetition_penalty, 0.0, MAX_REPETITION_PENALTY, f + "repetition_penalty", lo_open=True)
+    _finite_in(repetition_penalty, MIN_POSITIVE, MAX_REPETITION_PENALTY, f + "repetition_penalty")
     _finite_in(sp.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, f + "presence_penalty")
     _finite_in(sp.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, f + "frequency_penalty")
     if len(sp.logit_bias) > MAX_LOGIT_BIAS:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 
+from pagedserve.common.bounds import (MAX_ABS_LENGTH_PENALTY, MAX_ABS_PENALTY, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
+                                       MAX_SEED, MAX_TEMPERATURE, MIN_POSITIVE)
 from pagedserve.common.messages.frontend import AddRequest
 from pagedserve.common.messages.types import ModelInfo
 
 MAX_N = 256  # far above the frontend's caps; bounds per-request work only
-MAX_LOGPROBS = 20
 MAX_ID_LEN = 1024
 
 
@@ -41,13 +42,15 @@ def check_add(req: AddRequest, model: ModelInfo) -> str | None:
         return "max_tokens/min_tokens: out of range"
     if not 1 <= p.n <= MAX_N or not 0 <= p.beam_width <= MAX_N or (p.beam_width > 1 and p.n > p.beam_width):
         return "n/beam_width: out of range"
-    if not (_finite_in(p.temperature, 0.0, 1e4) and _finite_in(p.top_p, 1e-9, 1.0)
+    if not (_finite_in(p.temperature, 0.0, MAX_TEMPERATURE) and _finite_in(p.top_p, MIN_POSITIVE, 1.0)
             and _finite_in(p.min_p, 0.0, 1.0) and 0 <= p.top_k <= vocab):
         return "temperature/top_p/min_p/top_k: out of range"
-    if not (_finite_in(p.repetition_penalty, 1e-9, 1e4) and _finite_in(p.presence_penalty, -1e4, 1e4)
-            and _finite_in(p.frequency_penalty, -1e4, 1e4) and math.isfinite(p.length_penalty)):
+    if not (_finite_in(p.repetition_penalty, MIN_POSITIVE, MAX_REPETITION_PENALTY)
+            and _finite_in(p.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+            and _finite_in(p.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+            and _finite_in(p.length_penalty, -MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY)):
         return "penalties: out of range"
-    if p.seed is not None and not 0 <= p.seed < 2**63:
+    if p.seed is not None and not 0 <= p.seed <= MAX_SEED:
         return "seed: out of range"
     for name, k in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
         if k is not None and not 0 <= k <= MAX_LOGPROBS:

@@ -143,7 +143,7 @@ class ScriptedEngine:
         model = ModelInfo("fake", vocab, 512, (0,), 1, 1, 1, "float32", "cpu")
         self.info = fe.EngineInfo(0, model, 16, 65, 0, 8, 256)
         self.healthy = True
-        self.resuming = False
+        self.accepting = True  # EngineClient.accepting: healthy, resuming or only slow to answer
         self.queues: dict[str, asyncio.Queue[Any]] = {}
         self.requests: list[fe.AddRequest] = []
         self.released: list[tuple[str, bool]] = []
@@ -248,7 +248,7 @@ def test_queue_bound_and_per_key_cap(tok: Any) -> None:
         await svc2.open(_req(svc2, "y1"), "k2")
         s2.close()
         await svc2.open(_req(svc2, "x3"), "k1")
-        eng2.healthy = False
+        eng2.healthy = eng2.accepting = False  # a component recovers
         with pytest.raises(Rejected) as e3:
             await svc2.open(_req(svc2, "z"), "k3")
         assert e3.value.reason == "unavailable"
