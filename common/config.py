@@ -115,6 +115,15 @@ class EngineConfig:
         return "float32" if self.device == "cpu" else "bfloat16"
 
 
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # the issue's; EngineConfig's 0 stays for components that do not drain
+
+
+def shutdown_timeout_default() -> str | float:
+    """``--shutdown-timeout``'s default where it drains (serve, the frontend): the variable, else 30 s.
+    Here, not in serve_args, so the frontend reads it without importing the CLI layer."""
+    return env("SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT_S)
+
+
 def worker_threads() -> int | None:
     """PAGEDSERVE_WORKER_THREADS: threads of the CPU worker (None: one per core).
     Read here for both users: gpuworker/cpu_affinity.py (before torch loads, to

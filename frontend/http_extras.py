@@ -10,7 +10,7 @@ from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.http_fields import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
 from pagedserve.frontend.validation import MAX_CHAT_MESSAGES, ValidationError, check_text, check_token_ids
-from pagedserve.serve_args import version as pagedserve_version
+from pagedserve.common.version import version as pagedserve_version
 
 if TYPE_CHECKING:
     from pagedserve.frontend.http_gateway import Gateway

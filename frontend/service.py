@@ -17,7 +17,7 @@ from grpc_health.v1 import health
 
 from pagedserve.common.env import env, env_int
 from pagedserve.common.config import (add_address_args, add_engine_args, addresses_from_args, check_addresses,
-                                       config_from_args)
+                                       config_from_args, shutdown_timeout_default)
 from pagedserve.common.default_model import DEFAULT_MODEL_ID, resolve_model
 from pagedserve.common.metrics import FrontendMetrics, add_metrics_arg, serve_metrics
 from pagedserve.frontend import http_gateway
@@ -27,7 +27,6 @@ from pagedserve.frontend.generation import FrontendConfig, GenerationService
 from pagedserve.frontend.server import SERVICE_NAME, health_status, serve, server_credentials
 from pagedserve.frontend.shutdown import StopSignals, drain
 from pagedserve.frontend.vllm_metrics import add_vllm_metrics
-from pagedserve.serve_args import shutdown_timeout_default
 
 log = logging.getLogger("pagedserve.frontend")
 

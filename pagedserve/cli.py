@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        from pagedserve.serve_args import version
+        from pagedserve.common.version import version
 
         print(f"pagedserve {version()}")
         return 0

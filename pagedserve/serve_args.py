@@ -10,27 +10,15 @@ import argparse
 import os
 import re
 from dataclasses import dataclass
-from importlib import metadata
 
-from pagedserve.common.config import EngineConfig, add_engine_args, config_from_args, env, helptext
+from pagedserve.common.config import (DEFAULT_SHUTDOWN_TIMEOUT_S, EngineConfig, add_engine_args,  # noqa: F401
+                                      config_from_args, env, helptext, shutdown_timeout_default)
 from pagedserve.common.default_model import DEFAULT_MODEL_ID
 from pagedserve.common.hub_cache import is_hub_id
+from pagedserve.common.version import version
 
 DEFAULT_HTTP_PORT = 8000  # vLLM's
 DEFAULT_GRPC_PORT = 50051
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # the issue's; EngineConfig's 0 stays for components that do not drain
-
-
-def shutdown_timeout_default() -> str | float:
-    """``--shutdown-timeout``'s default where it drains (serve, the frontend): the variable, else 30 s."""
-    return env("SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT_S)
-
-
-def version() -> str:
-    try:
-        return metadata.version("pagedserve")
-    except metadata.PackageNotFoundError:  # a source tree that is not installed
-        return "0+unknown"
 
 
 def _port(text: str) -> int:
