@@ -26,7 +26,7 @@ import torch
 
 from pagedserve.common.blocks import cdiv
 from pagedserve.common.config import EngineConfig, env_flag
-from pagedserve.common.default_model import DEFAULT_MODEL_NAME, resolve_model
+from pagedserve.common.default_model import DEFAULT_MODEL_NAME, cache_dir, resolve_model
 from pagedserve.common.messages.types import ModelInfo, SamplingParams
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.worker import (
@@ -50,7 +50,7 @@ from pagedserve.gpuworker.seq_state import SeqState, SeqStates
 from pagedserve.gpuworker.step_gaps import StepGaps
 from pagedserve.gpuworker.grammar_compiler import IDLE_WAIT_S, AsyncCompiles
 from pagedserve.gpuworker.structured import StructuredDecoding, parse_grammar
-from pagedserve.kernels import get_attention_backend
+from pagedserve.kernels import cpu_build, get_attention_backend
 
 
 def cpu_default_kv_bytes() -> int:
@@ -83,6 +83,12 @@ def cuda_graphs_wanted(flag: bool | None) -> bool:
     return bool(env_flag(CUDA_GRAPHS_ENV, True))
 
 
+def configure_kernels() -> None:
+    """The kernels read no configuration (issue 21): they get the cache folder and the
+    PAGEDSERVE_CPU_KERNEL switch from the worker, before their first load."""
+    cpu_build.configure(cache_dir() / "kernels", enabled=bool(env_flag(cpu_build.ENV, True)))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -97,6 +103,7 @@ class ModelRunner:
         ``keep_logits``: keep the last step's logits in ``last_logits`` (tests
         compare them; serving must not hold them past the step)."""
         self.cfg, self.tp, self.source = cfg, tp, source
+        configure_kernels()
         self.device = rank_device(cfg.device, tp.rank)
         self.dtype = _DTYPES[cfg.torch_dtype_name]
         self.want_graphs = cuda_graphs_wanted(cuda_graphs) and not cfg.enforce_eager

@@ -1,10 +1,13 @@
 """Builds and loads the CPU kernel library: PagedAttention (``cpu_attention.cpp``)
 and the fused per-layer ops (``cpu_ops.cpp``), sharing ``cpu_common.h``.
 
-Compiled once per source, compiler and CPU into the pagedserve cache
-(``$PAGEDSERVE_CACHE/kernels/<hash>/``) with ``-march=native``, so a cache
-shared between machines never runs code built for another CPU. Processes that
-build at the same time each write a private file and rename it into place.
+Compiled once per source, compiler and CPU into a cache folder
+(``<folder>/<hash>/``) with ``-march=native``, so a cache shared between
+machines never runs code built for another CPU. The kernels read no
+configuration: the worker passes the folder (``$PAGEDSERVE_CACHE/kernels``)
+and the ``PAGEDSERVE_CPU_KERNEL`` switch in with ``configure`` at start-up.
+Processes that build at the same time each write a private file and rename it
+into place.
 Without a compiler ``load()`` returns None and callers use the torch path.
 """
 from __future__ import annotations
@@ -20,9 +23,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pagedserve.common.config import env_flag
-from pagedserve.common.default_model import cache_dir
-
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_attention.cpp", HERE / "cpu_ops.cpp")
 HEADERS = (HERE / "cpu_common.h",)
@@ -32,8 +32,27 @@ HEADERS = (HERE / "cpu_common.h",)
 COMPILE = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-std=c++17", "-c")
 LINK = ("-shared", "-fopenmp", "-lmvec", "-lm")
 FLAGS = COMPILE + LINK
-ENV = "CPU_KERNEL"  # PAGEDSERVE_CPU_KERNEL=0: never build or use the compiled kernel
+ENV = "CPU_KERNEL"  # PAGEDSERVE_CPU_KERNEL=0: never build or use the compiled kernel (read by the worker)
 DISABLE_ENV = "PAGEDSERVE_" + ENV
+
+# Until configured (kernels used directly, outside a worker): on, in the default cache's folder.
+_cache_dir: Path = Path.home() / ".cache" / "pagedserve" / "kernels"
+_enabled: bool = True
+
+
+def configure(cache_dir: Path | str | None = None, enabled: bool | None = None) -> None:
+    """Set the build folder and the on/off switch (None keeps the current one); the next
+    ``load()`` uses them."""
+    global _cache_dir, _enabled
+    new = (_cache_dir if cache_dir is None else Path(cache_dir), _enabled if enabled is None else enabled)
+    if new != (_cache_dir, _enabled):  # each ModelRunner configures; reload only on a change
+        _cache_dir, _enabled = new
+        load.cache_clear()
+
+
+def settings() -> tuple[Path, bool]:
+    """The folder and switch ``load()`` uses (tests save and restore them)."""
+    return _cache_dir, _enabled
 
 
 def _cpu_id() -> str:
@@ -51,7 +70,7 @@ def _compiler() -> str | None:
 @functools.lru_cache(maxsize=1)
 def load() -> ctypes.CDLL | None:
     """The loaded library, or None (disabled, no compiler, or the build failed)."""
-    if not env_flag(ENV, True):
+    if not _enabled:
         return None
     cxx = _compiler()
     if cxx is None:
@@ -63,7 +82,7 @@ def load() -> ctypes.CDLL | None:
         return None
     texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, cxx, version, " ".join(FLAGS), _cpu_id()]).encode()).hexdigest()[:16]
-    lib = cache_dir() / "kernels" / key / "libpagedserve_cpu.so"
+    lib = _cache_dir / key / "libpagedserve_cpu.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)

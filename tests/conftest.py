@@ -3,6 +3,7 @@ so it is decided here, before any pagedserve module is imported."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +11,19 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _kernel_settings() -> None:
+    """The kernels read no configuration: a worker hands them $PAGEDSERVE_CACHE/kernels and
+    PAGEDSERVE_CPU_KERNEL (model_runner.configure_kernels). Tests that call them directly get
+    the same, when collection imported them (checked, so other tests do not load triton)."""
+    if "pagedserve.kernels.cpu_build" in sys.modules:
+        from pagedserve.common.default_model import cache_dir
+        from pagedserve.common.env import env_flag
+        from pagedserve.kernels import cpu_build
+
+        cpu_build.configure(cache_dir() / "kernels", enabled=bool(env_flag(cpu_build.ENV, True)))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -189,9 +189,8 @@ def torch_cpu_path() -> Iterator[None]:
     of the image's code path, and of a kernel being edited in this working tree meanwhile."""
     from pagedserve.kernels import cpu_build
 
-    old = os.environ.get(cpu_build.DISABLE_ENV)
-    os.environ[cpu_build.DISABLE_ENV] = "0"
-    cpu_build.load.cache_clear()
+    old, saved = os.environ.get(cpu_build.DISABLE_ENV), cpu_build.settings()
+    os.environ[cpu_build.DISABLE_ENV] = "0"  # read by the in-process ModelRunner (configure_kernels)
     try:
         yield
     finally:
@@ -199,7 +198,7 @@ def torch_cpu_path() -> Iterator[None]:
             os.environ.pop(cpu_build.DISABLE_ENV, None)
         else:
             os.environ[cpu_build.DISABLE_ENV] = old
-        cpu_build.load.cache_clear()
+        cpu_build.configure(*saved)  # the runner's switch stays in the kernels otherwise
 
 
 @pytest.mark.parametrize("victim", ["gpuworker", "blockmgr", "scheduler"])

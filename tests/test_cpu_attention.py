@@ -4,6 +4,8 @@ shuffled blocks, NaN-poisoned padding and tails, GQA/MQA, and the Triton
 kernel held to the same results."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_kernels import CASES, MIXED, make_batch, ref64, rel_err, run_poisoned, seed  # noqa: F401 - fixture
@@ -72,16 +74,28 @@ def test_sdpa_groups_bound_padding() -> None:
         assert padded <= 2 * real or len(g) == 1
 
 
-def test_disabled_kernel_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_build.DISABLE_ENV, "0")
-    cpu_build.load.cache_clear()
+def test_disabled_kernel_falls_back_to_torch() -> None:
+    saved = cpu_build.settings()
+    cpu_build.configure(enabled=False)  # what a worker passes for PAGEDSERVE_CPU_KERNEL=0
     try:
         assert cpu_build.load() is None
         b = make_batch(MIXED, 4, 2, 64, 16, torch.float32, device="cpu")
         assert rel_err(run_poisoned(paged_attention_cpu, b), ref64(b)) < 1e-4
     finally:
-        monkeypatch.delenv(cpu_build.DISABLE_ENV)
-        cpu_build.load.cache_clear()
+        cpu_build.configure(*saved)
+
+
+def test_the_worker_passes_the_switch_and_cache_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pagedserve.gpuworker.model_runner import configure_kernels
+
+    saved = cpu_build.settings()
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv(cpu_build.DISABLE_ENV, "0")
+    try:
+        configure_kernels()
+        assert cpu_build.settings() == (tmp_path / "kernels", False) and cpu_build.load() is None
+    finally:
+        cpu_build.configure(*saved)
 
 
 def test_loading_the_kernel_keeps_subnormals() -> None:
