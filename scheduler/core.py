@@ -15,44 +15,26 @@ passed along, never kept on the scheduler:
 Normally that is one blockmgr round trip per step; when a running sequence
 finds no room, the reply drives a second round that preempts the latest
 arrivals (last come, first preempted, whole groups) and retries
-(``preemption.py``). Applying the worker's result is ``results.py``.
+(``preemption.py``). Applying the worker's result is ``results.py``; adding
+and aborting requests and the per-sequence bookkeeping is ``intake.py``.
 """
 from __future__ import annotations
 
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from pagedserve.common.blocks import cdiv
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import worker as wk
-from pagedserve.common.messages.frontend import AddRequest, ErrorKind, TokenDelta
-from pagedserve.scheduler.beam import BeamSearch
+from pagedserve.common.messages.frontend import ErrorKind, TokenDelta
+from pagedserve.scheduler.config import PoolSize, SchedulerConfig
 from pagedserve.scheduler.grammar_gate import GrammarGate
+from pagedserve.scheduler.intake import Intake
 from pagedserve.scheduler.plan import StepPlan
 from pagedserve.scheduler.preemption import Preemption
 from pagedserve.scheduler.results import Results
 from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    block_size: int
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    preemption_mode: str = "recompute"  # recompute | swap | auto
-
-
-@dataclass(frozen=True)
-class PoolSize:
-    """The KV pools as the worker sized them (WorkerReady): not configuration,
-    since a restarted worker may size them differently (EngineCore.recover)."""
-
-    num_gpu_blocks: int  # usable ones (the null block left out)
-    num_cpu_blocks: int = 0
 
 
 def _answers(ops: list[bm.Op]) -> list[tuple[bm.Op, int]]:
@@ -64,7 +46,7 @@ class BlockReplyMismatch(ValueError):
     """A StepReply whose results do not pair with the request's ops."""
 
 
-class Scheduler(Preemption, Results):
+class Scheduler(Intake, Preemption, Results):
     def __init__(self, cfg: SchedulerConfig, pool: PoolSize) -> None:
         self.cfg = cfg
         self.pool = pool
@@ -86,86 +68,6 @@ class Scheduler(Preemption, Results):
         self.grammars = GrammarGate()  # requests whose grammar the worker still compiles
         self.num_preemptions = 0
         self.num_steps = 0
-
-    # ------------------------------------------------------------ requests
-    def add_request(self, req: AddRequest) -> None:
-        # A resumed sample of a parallel-sampling request is sent as "ID/INDEX" (frontend/resume.py;
-        # "/" is never in a frontend request id): the original group reached this scheduler too.
-        if req.resume and "/" in req.request_id and req.request_id.rpartition("/")[0] in self.groups:
-            return
-        if req.request_id in self.groups:
-            if req.resume:  # the original reached this scheduler too: it runs already
-                return
-            self._deltas.append(TokenDelta(req.request_id, 0, [], FinishReason.ERROR.value,
-                                           len(req.prompt_token_ids), f"duplicate request_id {req.request_id!r}"))
-            return
-        p = req.params
-        prompt = list(req.prompt_token_ids)
-        # n > 1: one sequence prefills the prompt, the others fork from it later
-        # (a one-token prompt has nothing to share). Beam search starts from one beam.
-        fork_later = p.beam_width <= 1 and p.n > 1 and len(prompt) > 1
-        width = 1 if fork_later or p.beam_width > 1 else max(1, p.n)
-        n_prompt = len(prompt) - req.num_output_tokens
-        seqs = [Sequence(next(self._seq_ids), i, list(prompt), n_prompt) for i in range(width)]
-        group = SequenceGroup(req.request_id, seqs, p, req.arrival_time, next(self._arrivals),
-                              req.cache_salt, needs_fork=fork_later)
-        if p.beam_width > 1:
-            group.beam = BeamSearch(p.beam_width, len(prompt), min(len(prompt) + p.max_tokens, self.cfg.max_model_len),
-                                    self.cfg.eos_token_ids, p.length_penalty, p.early_stopping)
-        blocks_needed = cdiv(len(req.prompt_token_ids) + 1, self.cfg.block_size)
-        if blocks_needed > self.pool.num_gpu_blocks:
-            self._finish_group(group, FinishReason.ERROR,
-                               f"prompt of {len(req.prompt_token_ids)} tokens needs {blocks_needed} KV blocks; "
-                               f"the pool has {self.pool.num_gpu_blocks}", ErrorKind.KV_CACHE)
-            return
-        self.groups[group.request_id] = group
-        for s in seqs:
-            self._track(group, s)
-        if self.grammars.admit(group):
-            self.waiting.append(group)
-
-    def abort(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            group = self.groups.get(rid)
-            if group is None:
-                continue
-            if group in self.waiting:
-                self.waiting.remove(group)
-            elif group in self.running:
-                self.running.remove(group)
-            elif group in self.swapped:
-                self.swapped.remove(group)
-            else:
-                self.grammars.remove(group)
-            self._finish_group(group, FinishReason.ABORT)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._pending_frees or self._pending_drops
-                    or self._pending_forks or self.grammars.waiting)
-
-    @property
-    def num_waiting(self) -> int:
-        """Queued for scheduling, or for their grammar (vLLM counts both as waiting)."""
-        return len(self.waiting) + len(self.grammars.waiting)
-
-    def on_grammars(self, statuses: list[wk.GrammarStatus]) -> None:
-        """Compiles the worker finished: their requests queue in arrival order, or fail."""
-        if not statuses:
-            return
-        ready, failed = self.grammars.on_compiled(statuses)
-        if ready:
-            self.waiting = deque(sorted([*self.waiting, *ready], key=lambda g: g.arrival_order))
-        for group, why in failed:
-            self._finish_group(group, FinishReason.ERROR, f"invalid structured output: {why}",
-                               ErrorKind.INVALID_REQUEST)
-
-    def take_deltas(self) -> list[TokenDelta]:
-        out, self._deltas = self._deltas, []
-        return out
-
-    def put_back(self, deltas: list[TokenDelta]) -> None:
-        """Deltas taken but not delivered: the next ``take_deltas`` returns them first."""
-        self._deltas[:0] = deltas
 
     # ------------------------------------------------------------ planning
     def _fork_children(self, group: SequenceGroup) -> list[bm.Op]:
@@ -253,17 +155,6 @@ class Scheduler(Preemption, Results):
         if not ops and not self._pending_drops and not plan.compile and not self.grammars.waiting:
             return None
         return plan
-
-    def _seq_by_id(self, seq_id: int) -> Sequence:
-        return self._seqs[seq_id]
-
-    def _track(self, group: SequenceGroup, seq: Sequence) -> None:
-        self._seq_group[seq.seq_id] = group
-        self._seqs[seq.seq_id] = seq
-
-    def _untrack(self, seq_id: int) -> None:
-        self._seq_group.pop(seq_id, None)
-        self._seqs.pop(seq_id, None)
 
     @staticmethod
     def must_settle(plan: StepPlan, reply: bm.StepReply) -> bool:
@@ -431,28 +322,3 @@ class Scheduler(Preemption, Results):
         self.num_steps += 1
         return wk.ExecuteStep(next(self._step_ids), new_seqs, diffs, scheduled, drops,
                               plan.copies, plan.swap_in, plan.swap_out, plan.compile)
-
-    # ------------------------------------------------------------ bookkeeping
-    def _finish_seq(self, seq: Sequence, reason: FinishReason) -> None:
-        if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):
-            self._pending_frees[seq.seq_id] = seq.num_blocks if seq.status is SeqStatus.RUNNING else 0
-        if seq.known_to_worker:
-            self._pending_drops.append(seq.seq_id)
-            seq.known_to_worker = False
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
-        seq.num_blocks = 0
-
-    def _finish_group(self, group: SequenceGroup, reason: FinishReason, error: str | None = None,
-                      kind: ErrorKind = ErrorKind.INTERNAL) -> None:
-        for seq in group.seqs:
-            if not seq.is_finished:
-                self._finish_seq(seq, reason)
-                self._deltas.append(TokenDelta(group.request_id, seq.index, [], reason.value,
-                                               seq.num_prompt_tokens, error, error_kind=kind))
-        self._forget(group)
-
-    def _forget(self, group: SequenceGroup) -> None:
-        self.groups.pop(group.request_id, None)
-        for s in group.seqs:
-            self._untrack(s.seq_id)

@@ -17,7 +17,8 @@ from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.types import RefusalKind
-from pagedserve.scheduler.core import PoolSize, Scheduler, SchedulerConfig
+from pagedserve.scheduler.config import PoolSize, SchedulerConfig
+from pagedserve.scheduler.core import Scheduler
 from pagedserve.scheduler.plan import StepPlan
 from pagedserve.scheduler.recovery import requeue_all
 

@@ -4,17 +4,14 @@ blocks, whole groups at a time, by recompute or swap, and the failed appends
 are retried in another round of the same step."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from collections import deque
+from typing import TYPE_CHECKING
 
 from pagedserve.common.blocks import cdiv
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages.frontend import ErrorKind
+from pagedserve.scheduler.config import PoolSize, SchedulerConfig
 from pagedserve.scheduler.plan import StepPlan
-if TYPE_CHECKING:
-    from pagedserve.scheduler.core import PoolSize, SchedulerConfig
-
 from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
 
 

@@ -13,11 +13,9 @@ from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.frontend import ErrorKind, TokenDelta
 from pagedserve.common.messages.types import SamplingParams
 from pagedserve.scheduler.beam import Hypothesis
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.grammar_gate import GrammarGate
 from pagedserve.scheduler.plan import StepPlan
-if TYPE_CHECKING:
-    from pagedserve.scheduler.core import SchedulerConfig
-    from pagedserve.scheduler.grammar_gate import GrammarGate
-
 from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
 
 
