@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -20,12 +20,10 @@ from pagedserve.common.messages.frontend import ErrorKind
 from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.http_fields import check_ids, is_token_id
 from pagedserve.frontend.generation import EngineError, RequestStream
+from pagedserve.frontend.http_shared import Ctx, GatewayApi
 from pagedserve.frontend.outputs import Chunk
 from pagedserve.frontend.validation import Limits
 from pagedserve.v1 import generation_pb2 as pb
-
-if TYPE_CHECKING:
-    from pagedserve.frontend.http_gateway import Gateway
 
 MAX_BATCH_PROMPTS = 64
 Prompt = str | list[int]
@@ -86,14 +84,14 @@ def set_prompt(req: pb.GenerateRequest, prompt: Prompt) -> None:
 class _Echo:
     """What echo prepends to one prompt's outputs."""
 
-    def __init__(self, gw: "Gateway", prompt: Prompt, stream: RequestStream, with_logprobs: bool) -> None:
+    def __init__(self, gw: GatewayApi, prompt: Prompt, stream: RequestStream, with_logprobs: bool) -> None:
         self.gw, self.stream, self.with_logprobs = gw, stream, with_logprobs
         self.text = prompt if isinstance(prompt, str) else gw.svc.detokenize(list(prompt))
 
     def logprobs(self) -> dict[str, Any]:
         ids = self.stream.req.prompt_ids
         entries = self.stream.prompt_logprobs or []
-        tok = self.gw._token_str
+        tok = self.gw.token_str
         return {"tokens": [tok(t) for t in ids], "token_logprobs": [None] + [e[0] for e in entries],
                 "top_logprobs": [None] + [{tok(t): v for t, v in e[1]} for e in entries], "text_offset": []}
 
@@ -107,10 +105,8 @@ class _Echo:
             choice["logprobs"] = mine
 
 
-async def run_batch(gw: "Gateway", request: web.Request, body: dict[str, Any], prompts: list[Prompt],
+async def run_batch(gw: GatewayApi, request: web.Request, body: dict[str, Any], prompts: list[Prompt],
                     reqs: list[pb.GenerateRequest]) -> web.StreamResponse:
-    from pagedserve.frontend.http_gateway import _Ctx
-
     echo = bool(body.get("echo"))
     echo_lp = echo and body.get("logprobs") is not None
     if echo_lp:
@@ -119,22 +115,22 @@ async def run_batch(gw: "Gateway", request: web.Request, body: dict[str, Any], p
                 r.sampling_params.prompt_logprobs = r.sampling_params.logprobs
     prepared = []
     for r in reqs:  # every prompt is valid before any starts
-        p = gw._prepare(r)
+        p = gw.prepare(r)
         prepared.append(await p if inspect.isawaitable(p) else p)  # async once tokenizing leaves the loop
     streams: list[RequestStream] = []
     try:
         for p in prepared:
-            streams.append(await gw._open(request, p))
+            streams.append(await gw.open_stream(request, p))
         n = prepared[0].prep.params.n
         echoes = [_Echo(gw, p, s, echo_lp) if echo else None for p, s in zip(prompts, streams)]
-        ctx = _Ctx(f"cmpl-{streams[0].request_id}", "text_completion", gw._model_name(), n)
+        ctx = Ctx(f"cmpl-{streams[0].request_id}", "text_completion", gw.model_name(), n)
         if body.get("stream"):
             return await _stream(gw, request, body, streams, echoes, ctx)
         results = await asyncio.gather(*(s.collect() for s in streams))
         choices = []
         for i, merged in enumerate(results):
             for j in range(max(n, len(merged))):
-                ch = gw._completion_choice(merged.get(j, Chunk(j)), None)
+                ch = gw.completion_choice(merged.get(j, Chunk(j)), None)
                 ch["index"] = i * n + j
                 if echoes[i] is not None:
                     echoes[i].apply(ch)
@@ -156,8 +152,8 @@ def _usage(streams: list[RequestStream]) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-async def _stream(gw: "Gateway", request: web.Request, body: dict[str, Any], streams: list[RequestStream],
-                  echoes: list[_Echo | None], ctx: Any) -> web.StreamResponse:
+async def _stream(gw: GatewayApi, request: web.Request, body: dict[str, Any], streams: list[RequestStream],
+                  echoes: list[_Echo | None], ctx: Ctx) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     queue: asyncio.Queue[tuple[int, list[Chunk] | EngineError | None]] = asyncio.Queue()
@@ -188,7 +184,7 @@ async def _stream(gw: "Gateway", request: web.Request, body: dict[str, Any], str
                 continue
             choices = []
             for c in item:
-                ch = gw._completion_choice(c, None)
+                ch = gw.completion_choice(c, None)
                 ch["index"] = i * ctx.n + c.index
                 echo = echoes[i]
                 if echo is not None and (i, c.index) not in echoed:

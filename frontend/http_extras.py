@@ -2,18 +2,16 @@
 with vLLM's request and response shapes. Auth as every other route."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.http_fields import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
+from pagedserve.frontend.http_shared import GatewayApi
 from pagedserve.frontend.validation import MAX_CHAT_MESSAGES, ValidationError, check_text, check_token_ids
 from pagedserve.common.version import version as pagedserve_version
-
-if TYPE_CHECKING:
-    from pagedserve.frontend.http_gateway import Gateway
 
 MAX_DETOKENIZE_IDS = 1_000_000  # as gRPC Detokenize
 
@@ -41,8 +39,8 @@ def _conversation(messages: Any) -> list[dict[str, str]]:
     return conv
 
 
-async def tokenize(gw: "Gateway", request: web.Request) -> web.Response:
-    body = await gw._body(request)
+async def tokenize(gw: GatewayApi, request: web.Request) -> web.Response:
+    body = await gw.json_body(request)
     check_fields(body, TOKENIZE_FIELDS)
     svc = gw.svc
     if body.get("messages") is not None:
@@ -71,8 +69,8 @@ async def tokenize(gw: "Gateway", request: web.Request) -> web.Response:
                               "token_strs": strs})
 
 
-async def detokenize(gw: "Gateway", request: web.Request) -> web.Response:
-    body = await gw._body(request)
+async def detokenize(gw: GatewayApi, request: web.Request) -> web.Response:
+    body = await gw.json_body(request)
     check_fields(body, DETOKENIZE_FIELDS)
     ids = body.get("tokens")
     if (not isinstance(ids, list) or len(ids) > MAX_DETOKENIZE_IDS
@@ -88,11 +86,11 @@ async def detokenize(gw: "Gateway", request: web.Request) -> web.Response:
     return web.json_response({"prompt": text})
 
 
-async def version(gw: "Gateway", request: web.Request) -> web.Response:
+async def version(gw: GatewayApi, request: web.Request) -> web.Response:
     return web.json_response({"version": pagedserve_version()})
 
 
-def add_routes(gw: "Gateway", app: web.Application) -> None:
+def add_routes(gw: GatewayApi, app: web.Application) -> None:
     app.router.add_post("/tokenize", lambda r: tokenize(gw, r))
     app.router.add_post("/detokenize", lambda r: detokenize(gw, r))
     app.router.add_get("/version", lambda r: version(gw, r))

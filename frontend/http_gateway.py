@@ -7,9 +7,11 @@ gRPC (validation, admission, stop strings, metrics); ``stream: true`` answers
 with server-sent events; batches and ``echo`` in ``http_batch``. Also
 ``/v1/models``, ``/health`` (200 or 503), ``/metrics`` (with vLLM's names,
 ``vllm_metrics``) and vLLM's ``/tokenize``, ``/detokenize``, ``/version``
-(``http_extras``). A body field a route does not understand is a 400 naming it
-(``http_fields``). Bodies are decoded with bounded nesting and finite numbers only
-(``http_json``); slow, idle and surplus connections are closed (``http_conn``).
+(``http_extras``); those route modules call the gateway through
+``http_shared.GatewayApi``, so they never import this one. A body field a
+route does not understand is a 400 naming it (``http_fields``). Bodies are
+decoded with bounded nesting and finite numbers only (``http_json``); slow,
+idle and surplus connections are closed (``http_conn``).
 Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import ssl
-import time
 import uuid
 from typing import Any, Awaitable, Callable
 
@@ -32,6 +33,7 @@ from pagedserve.frontend import http_batch, http_extras, http_fields, http_json
 from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.http_conn import ClosingError, ConnectionGuard, HttpLimits, read_body, send_and_close
 from pagedserve.frontend.http_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
+from pagedserve.frontend.http_shared import Ctx
 from pagedserve.frontend.generation import EngineError, GenerationService, Rejected, RequestStream
 from pagedserve.frontend.outputs import Chunk
 from pagedserve.frontend.validation import DEFAULT_COMPLETION_MAX_TOKENS, MAX_REQUEST_BYTES, Limits, ValidationError
@@ -111,16 +113,16 @@ class Gateway:
                            code="invalid_api_key")
         return key
 
-    def _model_name(self) -> str:
+    def model_name(self) -> str:
         if not self.svc.ready:
             raise ApiError(503, "the engine is still starting", "service_unavailable")
         return self.served_names[0] if self.served_names else self.svc.info.model.model_name
 
     def _limits(self) -> Limits:
-        self._model_name()  # 503 while the engine starts (no vocabulary yet)
+        self.model_name()  # 503 while the engine starts (no vocabulary yet)
         return self.svc.limits
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    async def json_body(self, request: web.Request) -> dict[str, Any]:
         raw = await read_body(request, self.http_limits.body_timeout_s)
         if len(raw) > http_json.ON_LOOP_BYTES:  # a 4 MiB body takes ~0.1 s to scan and parse
             body = await self.svc.off_loop(len(raw), http_json.decode_body, raw, request.charset)
@@ -129,9 +131,9 @@ class Gateway:
         if not isinstance(body, dict):
             raise ApiError(400, "body: must be a JSON object", param="body")
         model = body.get("model")
-        if model is not None and model not in (self._model_name(), *self.served_names,
+        if model is not None and model not in (self.model_name(), *self.served_names,
                                                self.svc.info.model.model_name):
-            raise ApiError(404, f"model: {model!r} is not served here (try {self._model_name()!r})",
+            raise ApiError(404, f"model: {model!r} is not served here (try {self.model_name()!r})",
                            param="model", code="model_not_found")
         return body
 
@@ -146,7 +148,7 @@ class Gateway:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
-        name = self._model_name()
+        name = self.model_name()
         info = self.svc.info.model
         return web.json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "max_model_len": info.max_model_len}]})
@@ -186,13 +188,13 @@ class Gateway:
         except ValidationError as e:
             raise ApiError(400, str(e), param=e.field) from None
 
-    async def _prepare(self, req: pb.GenerateRequest, add_special_tokens: bool = True) -> Any:
+    async def prepare(self, req: pb.GenerateRequest, add_special_tokens: bool = True) -> Any:
         try:
             return await self.svc.prepare_async(req, add_special_tokens)  # tokenizes off the event loop
         except ValidationError as e:
             raise ApiError(400, str(e), param=_openai_param(e.field)) from None
 
-    async def _open(self, request: web.Request, prepared: Any) -> RequestStream:
+    async def open_stream(self, request: web.Request, prepared: Any) -> RequestStream:
         try:
             return await self.svc.open(prepared, self._key_id(request))
         except Rejected as e:
@@ -202,12 +204,12 @@ class Gateway:
         except DuplicateRequestId:
             raise ApiError(409, "request id already running", code="duplicate") from None
 
-    def _token_str(self, tok: int) -> str:
+    def token_str(self, tok: int) -> str:
         return self.svc.detokenize([tok], skip_special_tokens=False)
 
     # ------------------------------------------------------------ /v1/completions
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body = await self.json_body(request)
         check_fields(body, COMPLETION_FIELDS)
         if body.get("suffix"):
             raise ApiError(400, "suffix: not supported", param="suffix")
@@ -222,24 +224,24 @@ class Gateway:
             reqs.append(req)
         if len(reqs) > 1 or body.get("echo"):
             return await http_batch.run_batch(self, request, body, prompts, reqs)
-        prepared = await self._prepare(req)
-        stream = await self._open(request, prepared)
-        ctx = _Ctx("cmpl-" + uuid.uuid4().hex, "text_completion", self._model_name(), prepared.prep.params.n)
-        return await self._run(request, body, stream, ctx, self._completion_choice)
+        prepared = await self.prepare(req)
+        stream = await self.open_stream(request, prepared)
+        ctx = Ctx("cmpl-" + uuid.uuid4().hex, "text_completion", self.model_name(), prepared.prep.params.n)
+        return await self._run(request, body, stream, ctx, self.completion_choice)
 
-    def _completion_choice(self, c: Chunk, acc: dict[str, Any] | None) -> dict[str, Any]:
+    def completion_choice(self, c: Chunk, acc: dict[str, Any] | None) -> dict[str, Any]:
         lp = None
         if c.logprobs:
-            lp = {"tokens": [self._token_str(t) for t, _ in c.logprobs],
+            lp = {"tokens": [self.token_str(t) for t, _ in c.logprobs],
                   "token_logprobs": [e[0] for _, e in c.logprobs],
-                  "top_logprobs": [{self._token_str(t): v for t, v in e[1]} for _, e in c.logprobs],
+                  "top_logprobs": [{self.token_str(t): v for t, v in e[1]} for _, e in c.logprobs],
                   "text_offset": []}
         return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
     # ------------------------------------------------------------ /v1/chat/completions
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body = await self.json_body(request)
         check_fields(body, CHAT_FIELDS)
         try:  # messages (tool calls included), tools and tool_choice: frontend/openai_tools.py
             conv = openai_tools.chat_messages(body.get("messages"))
@@ -259,9 +261,9 @@ class Gateway:
         if body.get("logprobs"):
             _set(req.sampling_params, "logprobs", body.get("top_logprobs") or 0, "top_logprobs")
         # The template already wrote the special tokens it wants.
-        prepared = await self._prepare(req, add_special_tokens=False)
-        stream = await self._open(request, prepared)
-        ctx = _Ctx("chatcmpl-" + uuid.uuid4().hex, "chat.completion", self._model_name(), prepared.prep.params.n)
+        prepared = await self.prepare(req, add_special_tokens=False)
+        stream = await self.open_stream(request, prepared)
+        ctx = Ctx("chatcmpl-" + uuid.uuid4().hex, "chat.completion", self.model_name(), prepared.prep.params.n)
         choice = self._chat_choice if tool_mode is None else openai_tools.choice_formatter(tool_mode, self._chat_logprobs)
         return await self._run(request, body, stream, ctx, choice)
 
@@ -270,7 +272,7 @@ class Gateway:
             return None
 
         def entry(t: int, v: float) -> dict[str, Any]:
-            s = self._token_str(t)
+            s = self.token_str(t)
             return {"token": s, "logprob": v, "bytes": list(s.encode())}
 
         return {"content": [{**entry(t, e[0]), "top_logprobs": [entry(a, b) for a, b in e[1]]}
@@ -293,7 +295,7 @@ class Gateway:
                 "finish_reason": c.finish_reason}
 
     # ------------------------------------------------------------ shared
-    async def _run(self, request: web.Request, body: dict[str, Any], stream: RequestStream, ctx: "_Ctx",
+    async def _run(self, request: web.Request, body: dict[str, Any], stream: RequestStream, ctx: Ctx,
                    choice: Callable[[Chunk, dict[str, Any] | None], dict[str, Any]]) -> web.StreamResponse:
         try:
             if body.get("stream"):
@@ -307,7 +309,7 @@ class Gateway:
         finally:
             stream.close()
 
-    async def _stream(self, request: web.Request, body: dict[str, Any], stream: RequestStream, ctx: "_Ctx",
+    async def _stream(self, request: web.Request, body: dict[str, Any], stream: RequestStream, ctx: Ctx,
                       choice: Callable[[Chunk, dict[str, Any] | None], dict[str, Any]]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -331,12 +333,6 @@ class Gateway:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
-
-
-class _Ctx:
-    def __init__(self, id_: str, obj: str, model: str, n: int) -> None:
-        self.id, self.object, self.model, self.n = id_, obj, model, n
-        self.created = int(time.time())
 
 
 def _usage(stream: RequestStream) -> dict[str, int]:
