@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pagedserve.common.grammar import GrammarBoundError, check_schema
 from pagedserve.frontend.structured import spec_from_proto
 from pagedserve.frontend.validation import ValidationError
 from pagedserve.v1 import generation_pb2 as pb
@@ -35,7 +36,13 @@ def _schema_text(value: Any, param: str) -> str:
     if isinstance(value, str):
         return value  # JSON text, checked by the gRPC validation
     if isinstance(value, (dict, bool)):
-        return json.dumps(value)
+        try:  # the cost bounds first: json.dumps recurses, and a deep schema would make it fail
+            check_schema(value)
+            return json.dumps(value)
+        except GrammarBoundError as e:
+            raise ValidationError(param, f"JSON schema {e}") from None
+        except (ValueError, RecursionError) as e:
+            raise ValidationError(param, f"not a JSON schema ({e})") from None
     raise ValidationError(param, "must be a JSON schema (an object, or its JSON text)")
 
 

@@ -47,6 +47,22 @@ def handle(runner: "ModelRunner | SimWorker", msg: wk.Request) -> wk.Reply:
         return wk.WorkerError(f"{type(e).__name__}: {e}")
 
 
+def _preload_structured(runner: "ModelRunner | SimWorker") -> None:
+    """xgrammar, and the tokenizer's vocabulary for it, before serving: on first
+    use they cost seconds (1.6 s for the import alone on 2 cores) inside the
+    step loop, stalling every stream (issue 19). Skipped when not installed."""
+    import importlib.util
+
+    if not isinstance(runner, ModelRunner) or importlib.util.find_spec("xgrammar") is None:
+        return
+    import xgrammar  # noqa: F401
+
+    try:
+        runner.structured.compiler()
+    except Exception as e:  # noqa: BLE001 - e.g. no tokenizer: constrained requests fail, others run
+        print(f"pagedserve gpuworker: structured outputs unavailable: {e}", file=sys.stderr, flush=True)
+
+
 def _limit_cpu_threads(device: str, ranks: int = 1) -> None:
     """On CPU the worker takes every core (shared among tensor-parallel ranks):
     the other three processes sleep in their sockets while it runs a step, and
@@ -133,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             runner = ModelRunner(cfg)
         runner.init()  # a signal during loading just ends the process: no socket exists yet
+        _preload_structured(runner)
     except Exception as e:  # noqa: BLE001
         print(f"pagedserve gpuworker: failed to start: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         _stop_ranks(ranks, grace_s=5.0)

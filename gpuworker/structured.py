@@ -16,13 +16,13 @@ worker that never sees a spec does not need it.
 """
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
+from pagedserve.common.grammar import parse_grammar
 from pagedserve.common.messages.types import SamplingParams, StructuredSpec
 from pagedserve.common.messages.worker import GRAMMAR_CACHE_SIZE
 from pagedserve.gpuworker.inputs import to_device
@@ -33,75 +33,6 @@ MAX_CACHED_GRAMMARS = GRAMMAR_CACHE_SIZE  # the scheduler's GrammarGate mirrors 
 class ConstrainedRow(Protocol):
     seq_id: int
     params: SamplingParams
-
-
-def grammar_source(spec: StructuredSpec) -> tuple[str, str]:
-    """(method, argument) for ``xgrammar.Grammar``/``GrammarCompiler``; shared
-    with the frontend's validation so both parse the spec the same way.
-    JSON is compact (no free whitespace: a model cannot pad it forever)."""
-    if spec.kind == "json":
-        return "json_schema", spec.spec
-    if spec.kind == "json_object":
-        return "json_object", ""
-    if spec.kind == "regex":
-        return "regex", spec.spec
-    if spec.kind == "choice":
-        choices = json.loads(spec.spec)
-        return "ebnf", "root ::= " + " | ".join(ebnf_literal(c) for c in choices)
-    if spec.kind == "grammar":
-        return "ebnf", spec.spec
-    raise ValueError(f"unknown structured output kind {spec.kind!r}")
-
-
-def ebnf_literal(text: str) -> str:
-    out = []
-    for ch in text:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ord(ch) < 0x20:
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def parse_grammar(spec: StructuredSpec) -> Any:
-    """The xgrammar ``Grammar`` of a spec (no tokenizer); raises on a bad one."""
-    import xgrammar as xgr
-
-    method, arg = grammar_source(spec)
-    if method == "json_schema":
-        return _json_strings_fixed(xgr.Grammar.from_json_schema(arg, any_whitespace=False))
-    if method == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-    if method == "regex":
-        return xgr.Grammar.from_regex(arg)
-    return xgr.Grammar.from_ebnf(arg)
-
-
-# xgrammar 0.2.9's JSON string characters let through raw control characters
-# (in strings with minLength/maxLength) and UTF-8-encoded surrogates (any string),
-# neither valid in JSON text, and a surrogate decodes to 3 replacement characters,
-# breaking maxLength. Such grammars are re-parsed with a strict class.
-_LOOSE_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
-_JSON_CHARS = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
-
-
-def _json_strings_fixed(grammar: Any) -> Any:
-    text = str(grammar)
-    if not any(c in text for c in _LOOSE_CHARS):
-        return grammar
-    import xgrammar as xgr
-
-    for c in _LOOSE_CHARS:
-        text = text.replace(c, _JSON_CHARS)
-    return xgr.Grammar.from_ebnf(text)
 
 
 class StructuredDecoding:
