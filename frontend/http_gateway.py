@@ -53,6 +53,10 @@ _SCALARS = {
 }
 
 
+# Body fields whose check parses a grammar (besides guided_*; tools: the chat route says).
+_GRAMMAR_FIELDS = ("response_format", "structured_outputs")
+
+
 def _openai_param(field: str) -> str:
     name = field.removeprefix("sampling_params.")
     return {"prompt_token_ids": "prompt", "request": "body"}.get(name, name)
@@ -154,6 +158,22 @@ class Gateway:
             {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "max_model_len": info.max_model_len}]})
 
     # ------------------------------------------------------------ translation
+    async def _sampling_off_loop(self, body: dict[str, Any], req: pb.GenerateRequest,
+                                 default_max_tokens: int | None, then: Callable[[], None] | None = None,
+                                 grammar: bool = False) -> None:
+        """``_sampling`` (and ``then``) on the tokenizer thread when the body asks
+        for a grammar: its check parses the spec with xgrammar (the first one also
+        imports it, 1-2 s), which must not stall the other streams on this loop."""
+        def build() -> None:
+            self._sampling(body, req, default_max_tokens)
+            if then is not None:
+                then()
+
+        if grammar or any(body.get(k) is not None for k in _GRAMMAR_FIELDS) or any(k.startswith("guided_") for k in body):
+            await self.svc.off_loop(0, build)
+        else:
+            build()
+
     def _sampling(self, body: dict[str, Any], req: pb.GenerateRequest, default_max_tokens: int | None) -> None:
         sp = req.sampling_params
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -218,7 +238,7 @@ class Gateway:
         for prompt in prompts:
             req = pb.GenerateRequest()
             http_batch.set_prompt(req, prompt)
-            self._sampling(body, req, DEFAULT_COMPLETION_MAX_TOKENS)
+            await self._sampling_off_loop(body, req, DEFAULT_COMPLETION_MAX_TOKENS)
             if body.get("logprobs") is not None:
                 _set(req.sampling_params, "logprobs", body["logprobs"], "logprobs")
             reqs.append(req)
@@ -252,12 +272,14 @@ class Gateway:
         if not has_chat_template(tok):
             raise ApiError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
         req = pb.GenerateRequest(prompt=render_chat(tok, conv, tools))
-        self._sampling(body, req, None)
-        if tool_mode is not None:
-            try:
-                openai_tools.enforce(tool_mode, req.sampling_params)
-            except ValidationError as e:
-                raise ApiError(400, str(e), param=e.field) from None
+        def enforce_tools() -> None:
+            if tool_mode is not None:
+                try:
+                    openai_tools.enforce(tool_mode, req.sampling_params)
+                except ValidationError as e:
+                    raise ApiError(400, str(e), param=e.field) from None
+
+        await self._sampling_off_loop(body, req, None, enforce_tools, grammar=tool_mode is not None)
         if body.get("logprobs"):
             _set(req.sampling_params, "logprobs", body.get("top_logprobs") or 0, "top_logprobs")
         # The template already wrote the special tokens it wants.

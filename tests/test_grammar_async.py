@@ -134,3 +134,41 @@ def test_async_compiles_reports_cache_hits_failures_and_timeouts(monkeypatch: py
     time.sleep(0.2)
     late = ac.finished()
     assert len(late) == 1 and late[0].spec == c and "longer than 0.1s" in (late[0].error or "")
+
+
+def test_the_first_grammar_does_not_stall_other_streams(model_dir: str) -> None:
+    """Over HTTP the first spec's check imports xgrammar in the frontend (1-2 s,
+    torch with it): that runs off the event loop, so a concurrent stream keeps
+    its pace; the constrained request is served."""
+    import threading
+    import urllib.request
+
+    from e2e_util import serve
+
+    with serve("--model", model_dir, "--block-size", "8", "--num-gpu-blocks", "300") as server:
+        times: list[float] = []
+
+        def greedy() -> None:
+            with server.client() as c:
+                for _ in c.stream([3, 4, 5], timeout=120, max_tokens=400, ignore_eos=True, temperature=0.0):
+                    times.append(time.monotonic())
+
+        t = threading.Thread(target=greedy)
+        t.start()
+        while len(times) < 20:
+            time.sleep(0.01)
+        body = json.dumps({"prompt": "x", "max_tokens": 8, "temperature": 0.0,
+                           "response_format": {"type": "json_schema", "json_schema": {
+                               "name": "c", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                       "required": ["a"]}}}}).encode()
+        t0 = time.monotonic()
+        req = urllib.request.Request(server.http + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+            json.loads(r.read())
+        answered = time.monotonic() - t0
+        t.join(120)
+    during = [b - a for a, b in zip(times, times[1:]) if a >= t0]
+    worst = max(during[:200], default=0.0)
+    print(f"\nfirst constrained request answered in {answered:.2f}s; worst gap of the other stream {worst * 1000:.0f} ms")
+    assert worst < 1.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -18,9 +19,9 @@ from typing import Any
 
 import grpc
 import pytest
-from e2e_util import serve, wait_all_free
+from e2e_util import Server, serve, wait_all_free
 from models import make_tiny_model
-from test_chaos import BLOCK, restarted_pid
+from test_chaos import BLOCK, wait_for
 from test_chaos_parallel import Job, Outputs, num_outputs, reference
 
 SOAK_S = float(os.environ.get("PAGEDSERVE_SOAK_S", "600"))
@@ -50,6 +51,12 @@ def jobs() -> list[Job]:
             s.update(beam_width=2, n=2, temperature=0.0)
         out.append((prompt, s))
     return out
+
+
+def restarts(server: Server, name: str) -> list[int]:
+    """The pids the launcher restarted ``name`` with so far."""
+    pat = re.compile(rf"pagedserve: restarted {name} \(pid (\d+)\)")
+    return [int(m.group(1)) for line in list(server.log) if (m := pat.search(line))]
 
 
 def rss_kb(pid: int) -> int:
@@ -116,8 +123,10 @@ def test_soak(tmp_path_factory: pytest.TempPathFactory) -> None:
         while time.monotonic() + KILL_EVERY_S < t_end:
             time.sleep(KILL_EVERY_S)
             victim = rng.choice(VICTIMS)
+            before = len(restarts(server, victim))
             os.kill(server.pids[victim], signal.SIGKILL)
-            server.pids[victim] = restarted_pid(server, victim, 60)
+            wait_for(lambda: len(restarts(server, victim)) > before, 60, f"the launcher to restart {victim}")
+            server.pids[victim] = restarts(server, victim)[-1]  # this restart's, not an earlier one's
             kills.append(victim)
         time.sleep(max(0.0, t_end - time.monotonic()))
         stop.set()
