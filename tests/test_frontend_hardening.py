@@ -135,7 +135,9 @@ def test_huge_prompt_does_not_stall_other_streams(sim: tuple[Server, int], chars
         assert "characters are more than max_model_len" in details, details
         assert took < 1.0, took
     print(f"\nhuge prompt ({chars} chars): longest gap of the other stream {max(gaps, default=0.0) * 1000:.0f} ms, took {took:.2f} s")
-    assert max(gaps, default=0.0) < 0.1, (max(gaps), took)
+    # Tokenized on the loop, the gap would be the whole tokenization (``took``); off it, a loaded
+    # machine still shows a scheduling hiccup (111 ms once, beside a 1.3 s tokenization).
+    assert max(gaps, default=0.0) < max(0.1, took / 4), (max(gaps), took)
 
 
 def test_undecodable_requests_are_invalid_argument(sim: tuple[Server, int]) -> None:
