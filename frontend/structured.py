@@ -34,6 +34,7 @@ from pagedserve.common.grammar import (
     parse_grammar,
     seq_ends,
 )
+from pagedserve.common.graph import strongly_connected
 from pagedserve.common.messages.types import StructuredSpec
 from pagedserve.frontend.validation import ValidationError
 from pagedserve.v1 import generation_pb2 as pb
@@ -225,47 +226,6 @@ def _first_refs(alts: list[list[Element]], null: set[str]) -> set[str]:
     return out
 
 
-def _sccs(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Tarjan's strongly connected components, iterative; callees come first."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    on: set[str] = set()
-    stack: list[str] = []
-    out: list[list[str]] = []
-    for root in graph:
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on.add(root)
-        while work:
-            v, it = work[-1]
-            w = next((w for w in it if w in graph), None)
-            if w is not None:
-                if w not in index:
-                    index[w] = low[w] = len(index)
-                    stack.append(w)
-                    on.add(w)
-                    work.append((w, iter(sorted(graph[w]))))
-                elif w in on:
-                    low[v] = min(low[v], index[w])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[v])
-            if low[v] == index[v]:
-                comp: list[str] = []
-                while True:
-                    w = stack.pop()
-                    on.discard(w)
-                    comp.append(w)
-                    if w == v:
-                        break
-                out.append(comp)
-    return out
-
-
 def check_ebnf(text: str) -> None:
     """Left recursion, repetition counts and loops of an EBNF grammar's text;
     raises ``GrammarBoundError``. Syntax errors are left to xgrammar's parse."""
@@ -284,7 +244,7 @@ def check_ebnf(text: str) -> None:
     looping: set[str] = set()  # rules that are, hold or reach an unbounded repetition
     ends: dict[str, Ends] = {}  # per rule, the characters it (and its loops) can start and end with
     nested: dict[str, int] = {}  # per rule, the largest product of counts of repeated repetitions
-    for comp in _sccs(graph):  # callees first
+    for comp in strongly_connected(graph):  # callees first
         recursive = len(comp) > 1 or comp[0] in graph[comp[0]]
         loops += len(comp) if recursive else 0
         while True:  # first and last characters within the component, to a fixpoint

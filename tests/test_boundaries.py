@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from pagedserve.common.graph import strongly_connected
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("frontend", "scheduler", "blockmgr", "gpuworker", "kernels", "common")  # pagedserve.<name>
 # What each folder may import from pagedserve.*. The kernels are a library the
@@ -145,45 +147,8 @@ def test_no_component_imports_another_or_the_cli_layer() -> None:
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    out: list[list[str]] = []
-    for start in sorted(edges):
-        if start in index:
-            continue
-        work = [(start, iter(sorted(edges[start])))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            v, it = work[-1]
-            w = next(it, None)
-            if w is not None:
-                if w not in index:
-                    index[w] = low[w] = len(index)
-                    stack.append(w)
-                    on_stack.add(w)
-                    work.append((w, iter(sorted(edges.get(w, ())))))
-                elif w in on_stack:
-                    low[v] = min(low[v], index[w])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[v])
-            if low[v] == index[v]:
-                comp = []
-                while True:
-                    x = stack.pop()
-                    on_stack.discard(x)
-                    comp.append(x)
-                    if x == v:
-                        break
-                if len(comp) > 1:
-                    out.append(sorted(comp))
-    return out
+    """Strongly connected components of more than one module."""
+    return sorted(sorted(c) for c in strongly_connected(edges) if len(c) > 1)
 
 
 def _edges(include_late: bool) -> dict[str, set[str]]:
