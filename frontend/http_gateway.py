@@ -53,8 +53,8 @@ _SCALARS = {
 }
 
 
-# Body fields whose check parses a grammar (besides guided_*; tools: the chat route says).
-_GRAMMAR_FIELDS = ("response_format", "structured_outputs")
+# Body fields whose check parses a grammar (tools: the chat route says).
+_GRAMMAR_FIELDS = ("response_format", "structured_outputs", *openai_structured.GUIDED)
 
 
 def _openai_param(field: str) -> str:
@@ -169,7 +169,7 @@ class Gateway:
             if then is not None:
                 then()
 
-        if grammar or any(body.get(k) is not None for k in _GRAMMAR_FIELDS) or any(k.startswith("guided_") for k in body):
+        if grammar or any(body.get(k) is not None for k in _GRAMMAR_FIELDS):
             await self.svc.off_loop(0, build)
         else:
             build()

@@ -49,7 +49,7 @@ from pagedserve.gpuworker.sampler import Sampler
 from pagedserve.gpuworker.seq_state import SeqState, SeqStates
 from pagedserve.gpuworker.step_gaps import StepGaps
 from pagedserve.gpuworker.grammar_compiler import IDLE_WAIT_S, AsyncCompiles
-from pagedserve.gpuworker.structured import StructuredDecoding, parse_grammar
+from pagedserve.gpuworker.structured import StructuredDecoding, compile_spec
 from pagedserve.kernels import cpu_build, get_attention_backend
 
 
@@ -117,8 +117,7 @@ class ModelRunner:
         self.gaps = StepGaps()  # idle time between steps (the cost of scheduling between them)
         self.structured = StructuredDecoding(None, 0, ())  # grammar matchers (rank 0), set up by init
         # Grammars compiled off the step path (rank 0); the cache stays the structured decoder's.
-        self.compiles = AsyncCompiles(lambda: self.structured.compiler(),
-                                      lambda compiler, spec: compiler.compile_grammar(parse_grammar(spec)),
+        self.compiles = AsyncCompiles(lambda: self.structured.compiler(), compile_spec,
                                       lambda spec: self.structured.has(spec),
                                       lambda spec, compiled: self.structured.keep(spec, compiled))
 

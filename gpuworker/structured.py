@@ -35,6 +35,11 @@ class ConstrainedRow(Protocol):
     params: SamplingParams
 
 
+def compile_spec(compiler: Any, spec: StructuredSpec) -> Any:
+    """xgrammar's compiled grammar of ``spec`` (no cache: any thread)."""
+    return compiler.compile_grammar(parse_grammar(spec))
+
+
 class StructuredDecoding:
     """``tokenizer_dir``: the model folder (None: no tokenizer, every spec is
     refused). ``vocab_size``: the logits' width."""
@@ -67,19 +72,16 @@ class StructuredDecoding:
         if hit is not None:
             self._cache.move_to_end(key)
             return hit
-        compiler = self.compiler()
-        compiled = compiler.compile_grammar(parse_grammar(spec))
-        self.compiled += 1
-        self._cache[key] = compiled
-        if len(self._cache) > MAX_CACHED_GRAMMARS:
-            self._cache.popitem(last=False)
+        compiled = compile_spec(self.compiler(), spec)
+        self.keep(spec, compiled)
         return compiled
 
     def has(self, spec: StructuredSpec) -> bool:
         return (spec.kind, spec.spec) in self._cache
 
     def keep(self, spec: StructuredSpec, compiled: Any) -> None:
-        """A grammar compiled elsewhere (grammar_compiler.AsyncCompiles) joins the cache."""
+        """A compiled grammar joins the cache (also one compiled off the step path:
+        grammar_compiler.AsyncCompiles)."""
         self.compiled += 1
         self._cache[(spec.kind, spec.spec)] = compiled
         if len(self._cache) > MAX_CACHED_GRAMMARS:

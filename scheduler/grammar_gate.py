@@ -35,11 +35,14 @@ class GrammarGate:
         if spec in self._ready:
             self._ready.move_to_end(spec)
             return True
+        self._ask(spec)
+        self.waiting.append(group)
+        return False
+
+    def _ask(self, spec: StructuredSpec) -> None:
         if spec not in self._asked:
             self._asked.add(spec)
             self._to_ask.append(spec)
-        self.waiting.append(group)
-        return False
 
     def take_asks(self) -> list[StructuredSpec]:
         asks, self._to_ask = self._to_ask, []
@@ -90,7 +93,5 @@ class GrammarGate:
         self._asked.clear()
         self._to_ask = []
         for g in self.waiting:
-            spec = g.params.structured
-            if spec is not None and spec not in self._asked:
-                self._asked.add(spec)
-                self._to_ask.append(spec)
+            if g.params.structured is not None:
+                self._ask(g.params.structured)

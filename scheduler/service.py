@@ -61,10 +61,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--step-timeout", type=float, default=float(env("STEP_TIMEOUT", 600.0)),
                    help="seconds a live but slow worker step is waited for (env PAGEDSERVE_STEP_TIMEOUT)")
     args = p.parse_args(argv)
-    check_addresses(addresses_from_args(args), "scheduler")  # fail fast: before anything loads
+    addrs = addresses_from_args(args)
+    check_addresses(addrs, "scheduler")  # fail fast: before anything loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s scheduler %(levelname)s %(message)s")
     cfg = config_from_args(args)
-    addrs = addresses_from_args(args)
 
     stop = StopFlag()
 

@@ -48,6 +48,18 @@ class Compose:
         self.procs[name] = p
         threading.Thread(target=lambda: self.log.extend(p.stdout or []), daemon=True).start()
 
+    def stop_all(self) -> None:
+        """SIGTERM to each process still running, SIGKILL after 15 s."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
     def health(self) -> int:
         with grpc.insecure_channel(self.addr) as ch:
             try:
@@ -71,15 +83,7 @@ def compose(model_dir: str, extra: list[str], run_dir: str) -> Iterator[Compose]
         wait_for(lambda: c.health() == health_pb2.HealthCheckResponse.SERVING, 120, "SERVING")
         yield c
     finally:
-        for p in c.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in c.procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        c.stop_all()
 
 
 @pytest.mark.parametrize("victim", ["gpuworker", "blockmgr", "scheduler"])

@@ -118,15 +118,7 @@ def test_a_component_restarted_at_a_new_address_is_found(setup: tuple[str, list[
         wait_all_free(server)
         print(f"\n{victim} moved {FIRST_IP[victim]} -> {MOVED_IP[victim]}: streams done {took:.1f}s after the stop")
     finally:
-        for p in c.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in c.procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        c.stop_all()
     log = "".join(c.log)
     assert [s.error for s in streams] == [None] * len(jobs), log[-4000:]
     assert [s.tokens for s in streams] == expected
