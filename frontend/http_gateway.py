@@ -35,6 +35,7 @@ from pagedserve.frontend.http_conn import ClosingError, ConnectionGuard, HttpLim
 from pagedserve.frontend.http_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
 from pagedserve.frontend.http_shared import Ctx
 from pagedserve.frontend.generation import EngineError, GenerationService, Rejected, RequestStream
+from pagedserve.frontend.openai_options import OpenAIOptions
 from pagedserve.frontend.outputs import Chunk
 from pagedserve.frontend.validation import DEFAULT_COMPLETION_MAX_TOKENS, MAX_REQUEST_BYTES, Limits, ValidationError
 from pagedserve.v1 import generation_pb2 as pb
@@ -71,8 +72,9 @@ def _set(sp: pb.SamplingParams, name: str, value: Any, param: str) -> None:
 
 class Gateway:
     def __init__(self, svc: GenerationService, keys: ApiKeys, registry: Any, healthy: Callable[[], bool],
-                 served_names: list[str] | None = None) -> None:
+                 served_names: list[str] | None = None, opts: OpenAIOptions | None = None) -> None:
         self.svc = svc
+        self.opts = opts or OpenAIOptions()
         self.keys = keys
         self.registry = registry
         self.healthy = healthy
