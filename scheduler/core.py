@@ -28,10 +28,11 @@ from pagedserve.common.blocks import cdiv
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.frontend import ErrorKind, TokenDelta
+from pagedserve.scheduler.carry import StepCarry
 from pagedserve.scheduler.config import PoolSize, SchedulerConfig
 from pagedserve.scheduler.grammar_gate import GrammarGate
 from pagedserve.scheduler.intake import Intake
-from pagedserve.scheduler.plan import StepPlan
+from pagedserve.scheduler.plan import StepOrderError, StepPhase, StepPlan
 from pagedserve.scheduler.preemption import Preemption
 from pagedserve.scheduler.results import Results
 from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
@@ -59,10 +60,7 @@ class Scheduler(Intake, Preemption, Results):
         self._seq_ids = itertools.count(1)
         self._arrivals = itertools.count()
         self._step_ids = itertools.count()
-        self._pending_forks: list[bm.Fork] = []  # beam search: new beams, before their parents' frees
-        # seq ids to free in the blockmgr next round -> the GPU blocks (at most) each gives back
-        self._pending_frees: dict[int, int] = {}
-        self._pending_drops: list[int] = []  # seq ids whose worker state to drop next step
+        self.carry = StepCarry()  # what a step leaves for the next (carry.py)
         self._deltas: list[TokenDelta] = []  # produced outside a worker step (errors, aborts)
         self.block_stats: bm.BlockStats | None = None  # the blockmgr's, from its last reply
         self.grammars = GrammarGate()  # requests whose grammar the worker still compiles
@@ -88,12 +86,7 @@ class Scheduler(Intake, Preemption, Results):
 
     def schedule(self) -> StepPlan | None:
         """Plan a step: every memory op of it, in order, in ``plan.request``; None if idle."""
-        # Forks first: a new beam's parent may be freed by this same request.
-        ops: list[bm.Op] = list(self._pending_forks)
-        self._pending_forks = []
-        ops += [bm.Free(s) for s in self._pending_frees]
-        freed = sum(self._pending_frees.values())
-        self._pending_frees = {}
+        ops, freed = self.carry.take_memory_ops()
         for group in self.running:
             if group.needs_fork and group.tokens_to_compute(group.seqs[0]) == 0:
                 ops += self._fork_children(group)
@@ -152,7 +145,7 @@ class Scheduler(Intake, Preemption, Results):
                 ops += allocs
                 num_seqs += width
                 plan.admitted.append(group)
-        if not ops and not self._pending_drops and not plan.compile and not self.grammars.waiting:
+        if not ops and not self.carry.drops and not plan.compile and not self.grammars.waiting:
             return None
         return plan
 
@@ -168,6 +161,9 @@ class Scheduler(Intake, Preemption, Results):
     def on_block_reply(self, plan: StepPlan, reply: bm.StepReply) -> bm.StepRequest | None:
         """Apply the blockmgr's answer to ``plan.request``; returns the next
         round's request (preemption, releases), or None when the step is settled."""
+        plan.expect(StepPhase.BLOCKS, "on_block_reply")
+        if self.carry.in_flight is not None and self.must_settle(plan, reply):
+            raise StepOrderError("on_block_reply: this reply preempts; apply the step in flight first")
         pairs = _answers(plan.request.ops)
         if len(pairs) != len(reply.results):
             raise BlockReplyMismatch(f"{len(reply.results)} results for {len(pairs)} answers expected")
@@ -237,6 +233,8 @@ class Scheduler(Intake, Preemption, Results):
         if failed:
             more += self._preempt_for(plan, failed)
         plan.request = bm.StepRequest(more, continues_step=True)
+        if not more:
+            plan.phase = StepPhase.SETTLED
         return plan.request if more else None
 
     @staticmethod
@@ -291,7 +289,11 @@ class Scheduler(Intake, Preemption, Results):
         return frees
 
     def build_execute(self, plan: StepPlan) -> wk.ExecuteStep | None:
-        """The worker's half of the plan; None when nothing is left to run."""
+        """The worker's half of the plan; None when nothing is left to run.
+        Sent, it is the plan in flight until its result is applied."""
+        plan.expect(StepPhase.SETTLED, "build_execute")
+        if self.carry.in_flight is not None:
+            raise StepOrderError("build_execute: the step in flight is not applied yet")
         new_seqs = []
         for seq in plan.new_seqs:
             group = self._seq_group[seq.seq_id]
@@ -314,11 +316,14 @@ class Scheduler(Intake, Preemption, Results):
             s.num_computed_tokens += k
             s.num_unknown_slots = unknown.get(s.seq_id, 0)
             s.num_pending = 1 if s.num_computed_tokens == len(s.token_ids) else 0
-        drops, self._pending_drops = self._pending_drops, []
+        drops = self.carry.take_drops()
         # A step with nothing to run still goes while grammars compile: it asks and brings answers.
         if not (scheduled or new_seqs or drops or plan.copies or plan.swap_in or plan.swap_out or plan.compile
                 or self.grammars.waiting):
+            plan.phase = StepPhase.APPLIED
             return None
         self.num_steps += 1
-        return wk.ExecuteStep(next(self._step_ids), new_seqs, diffs, scheduled, drops,
+        plan.step_id, plan.phase = next(self._step_ids), StepPhase.SENT
+        self.carry.in_flight = plan
+        return wk.ExecuteStep(plan.step_id, new_seqs, diffs, scheduled, drops,
                               plan.copies, plan.swap_in, plan.swap_out, plan.compile)

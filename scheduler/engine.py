@@ -20,7 +20,6 @@ from pagedserve.common.messages.types import RefusalKind
 from pagedserve.scheduler.config import PoolSize, SchedulerConfig
 from pagedserve.scheduler.core import Scheduler
 from pagedserve.scheduler.plan import StepPlan
-from pagedserve.scheduler.recovery import requeue_all
 
 RECOVERY_ATTEMPT_S = 0.5  # one try at a restarting component; between tries the inbox is served
 
@@ -152,8 +151,6 @@ class EngineCore:
         self.recovering = False  # between losing a component and both answering again
         self.num_recoveries = 0
         self.counts = SchedulerCounts()
-        # Async scheduling: the step the worker runs while the next is planned.
-        self._in_flight: StepPlan | None = None
         ready = self._worker_call(wk.InitWorker(), init_timeout_s)
         assert isinstance(ready, wk.WorkerReady)
         # A worker that outlived a previous scheduler still holds its sequences.
@@ -227,8 +224,7 @@ class EngineCore:
         blockmgr (every block free). Raises ComponentError on ``stop()`` or
         after ``timeout_s``. Returns how many requests were in flight."""
         self.recovering = True
-        self._in_flight = None  # its result never comes: its requests are requeued
-        n = requeue_all(self.scheduler)
+        n = self.scheduler.requeue_all()  # a step in flight is forgotten: its result never comes
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
         def retry(attempt: Callable[[], Any]) -> Any:
@@ -277,7 +273,7 @@ class EngineCore:
         return None
 
     def has_work(self) -> bool:
-        return self._in_flight is not None or self.scheduler.has_work()
+        return self.scheduler.has_work()
 
     def step(self) -> list[fe.TokenDelta]:
         """One step as typed messages, each reply paired with its request
@@ -304,7 +300,7 @@ class EngineCore:
                 while req is not None:
                     reply = self._block_call(req)
                     assert isinstance(reply, bm.StepReply)
-                    if self._in_flight is not None and sch.must_settle(plan, reply):
+                    if sch.carry.in_flight is not None and sch.must_settle(plan, reply):
                         deltas += self._collect()
                     req = sch.on_block_reply(plan, reply)
             deltas += self._collect()
@@ -312,8 +308,7 @@ class EngineCore:
             if execute is not None:
                 assert plan is not None
                 if self.cfg.use_async_scheduling:
-                    self.worker.submit(execute)
-                    self._in_flight = plan
+                    self.worker.submit(execute)  # collected by the next step's _collect
                 else:
                     deltas += self._apply(plan, self.worker.call(execute))
         except ComponentError:
@@ -326,12 +321,10 @@ class EngineCore:
 
     def _collect(self) -> list[fe.TokenDelta]:
         """Waits for the step in flight, if any, and applies its result."""
-        if self._in_flight is None:
+        plan = self.scheduler.carry.in_flight
+        if plan is None:
             return []
-        plan = self._in_flight
-        result = self.worker.collect()
-        self._in_flight = None
-        return self._apply(plan, result)
+        return self._apply(plan, self.worker.collect())
 
     def _apply(self, plan: StepPlan, result: wk.Reply) -> list[fe.TokenDelta]:
         sch = self.scheduler

@@ -11,6 +11,7 @@ from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.frontend import AddRequest, ErrorKind, TokenDelta
 from pagedserve.scheduler.beam import BeamSearch
+from pagedserve.scheduler.carry import StepCarry
 from pagedserve.scheduler.config import PoolSize, SchedulerConfig
 from pagedserve.scheduler.grammar_gate import GrammarGate
 from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
@@ -30,10 +31,9 @@ class Intake:
     _seqs: dict[int, Sequence]
     _seq_ids: "itertools.count[int]"
     _arrivals: "itertools.count[int]"
-    _pending_forks: list[bm.Fork]
-    _pending_frees: dict[int, int]
-    _pending_drops: list[int]
+    carry: StepCarry
     _deltas: list[TokenDelta]
+    block_stats: bm.BlockStats | None
 
     # ------------------------------------------------------------ requests
     def add_request(self, req: AddRequest) -> None:
@@ -88,8 +88,35 @@ class Intake:
             self._finish_group(group, FinishReason.ABORT)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._pending_frees or self._pending_drops
-                    or self._pending_forks or self.grammars.waiting)
+        return bool(self.waiting or self.running or self.swapped or self.carry or self.grammars.waiting)
+
+    def requeue_all(self) -> int:
+        """Recovery by recompute (docs/fault-tolerance.md): the gpuworker or the
+        blockmgr lost its state, so every running and swapped group goes back
+        to waiting with no K/V and no blocks, and resumes by recomputing its
+        prompt plus the tokens generated so far, as a recompute preemption
+        does. The components were reset, so nothing is owed (carry cleared),
+        and a step in flight is forgotten (its result never came, so none of
+        its tokens were emitted). Returns how many groups were in flight."""
+        in_flight = [*self.running, *self.swapped]
+        groups = sorted([*self.waiting, *in_flight], key=lambda g: g.arrival_order)
+        self.running, self.swapped = [], []
+        for group in groups:
+            group.beam_tops = {}  # a half-reported beam step is sampled again
+            for s in group.live_seqs:
+                s.status = SeqStatus.WAITING
+                s.num_computed_tokens = 0
+                s.num_blocks = 0
+                s.num_pending, s.num_unknown_slots = 0, 0
+                s.known_to_worker = False
+        # The restarted worker compiled nothing: constrained requests wait for their grammar again.
+        self.grammars.reset()
+        self.waiting = deque(g for g in groups if self.grammars.admit(g))
+        # Beam forks name parents the reset blockmgr no longer has: each new beam
+        # is prefilled from its own tokens instead.
+        self.carry.clear()
+        self.block_stats = None
+        return len(in_flight)
 
     @property
     def num_waiting(self) -> int:
@@ -129,9 +156,9 @@ class Intake:
 
     def _finish_seq(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):
-            self._pending_frees[seq.seq_id] = seq.num_blocks if seq.status is SeqStatus.RUNNING else 0
+            self.carry.frees[seq.seq_id] = seq.num_blocks if seq.status is SeqStatus.RUNNING else 0
         if seq.known_to_worker:
-            self._pending_drops.append(seq.seq_id)
+            self.carry.drops.append(seq.seq_id)
             seq.known_to_worker = False
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

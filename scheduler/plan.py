@@ -11,12 +11,24 @@ unchanged (a ``Free``, an ``Append`` that needed no new block).
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.types import StructuredSpec
 from pagedserve.scheduler.sequence import Sequence, SequenceGroup
+
+
+class StepPhase(enum.Enum):
+    BLOCKS = "blocks"  # its request is with the blockmgr
+    SETTLED = "settled"  # every blockmgr round answered
+    SENT = "sent"  # its ExecuteStep is with the worker
+    APPLIED = "applied"  # its StepResult (or failure) applied; or nothing to run
+
+
+class StepOrderError(RuntimeError):
+    """A step's calls came out of order, or a result for another step."""
 
 
 @dataclass
@@ -32,6 +44,12 @@ class StepPlan:
     preempted: set[str] = field(default_factory=set)  # request ids, this step
     unknown_slots: dict[int, int] = field(default_factory=dict)  # seq id -> its Append's num_lookahead
     compile: list[StructuredSpec] = field(default_factory=list)  # grammars the worker is asked to compile
+    phase: StepPhase = StepPhase.BLOCKS
+    step_id: int | None = None  # the ExecuteStep's, once sent
+
+    def expect(self, phase: StepPhase, call: str) -> None:
+        if self.phase is not phase:
+            raise StepOrderError(f"{call}: the step is {self.phase.value}, expected {phase.value}")
 
     def unschedule(self, group: SequenceGroup) -> None:
         for s in group.seqs:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from pagedserve.common.blocks import cdiv
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages.frontend import ErrorKind
+from pagedserve.scheduler.carry import StepCarry
 from pagedserve.scheduler.config import PoolSize, SchedulerConfig
 from pagedserve.scheduler.plan import StepPlan
 from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
@@ -29,9 +30,7 @@ class Preemption:
     waiting: deque[SequenceGroup]
     num_preemptions: int
     _seq_group: dict[int, SequenceGroup]
-    _pending_frees: dict[int, int]
-    _pending_drops: list[int]
-    _pending_forks: list[bm.Fork]
+    carry: StepCarry
 
     if TYPE_CHECKING:  # provided by the class this is mixed into
         def _finish_group(self, group: SequenceGroup, reason: FinishReason, error: str | None = None,
@@ -42,16 +41,11 @@ class Preemption:
         """Preempt the latest arrivals until each failed append can be retried.
         Blocks a victim releases may be shared, so this is an estimate; a
         retry that still finds no room comes back for another round."""
-        ops: list[bm.Op] = []
         retries: list[tuple[SequenceGroup, Sequence, int]] = []
-        released = 0
         # Sequences the step that was in flight finished (async scheduling)
         # still hold blocks: those are freed first (not a new beam's parent,
         # whose Fork must come before its Free).
-        parents = {f.parent_seq_id for f in self._pending_forks}
-        for sid in [s for s in self._pending_frees if s not in parents]:
-            released += self._pending_frees.pop(sid)
-            ops.append(bm.Free(sid))
+        ops, released = self.carry.take_frees(keep_fork_parents=True)
         for seq, k in failed:
             if seq.is_finished:  # a stop token in the step that was in flight
                 continue
@@ -65,8 +59,7 @@ class Preemption:
                     plan.preempted.add(group.request_id)
                     plan.unschedule(group)
                     self._finish_group(group, FinishReason.ERROR, "sequence outgrew the KV cache", ErrorKind.KV_CACHE)
-                    ops += [bm.Free(s) for s in self._pending_frees]
-                    self._pending_frees = {}
+                    ops += self.carry.take_frees()[0]
                     break
                 released += victim_blocks(victim)
                 ops += self._preempt(plan, victim)
@@ -101,16 +94,14 @@ class Preemption:
         live = group.live_seqs
         # New beams whose Fork is not sent yet (async scheduling: the beam step
         # came in this step's rounds) have no table to free: the fork is dropped.
-        unforked = {f.child_seq_id for f in self._pending_forks} & {s.seq_id for s in live}
-        if unforked:
-            self._pending_forks = [f for f in self._pending_forks if f.child_seq_id not in unforked]
+        unforked = self.carry.cancel_forks({s.seq_id for s in live})
         for s in live:
             s.status = SeqStatus.WAITING
             s.num_computed_tokens = 0
             s.num_blocks = 0
             s.num_pending, s.num_unknown_slots = 0, 0
             if s.known_to_worker:
-                self._pending_drops.append(s.seq_id)
+                self.carry.drops.append(s.seq_id)
                 s.known_to_worker = False
         # Back to the queue, ahead of every later arrival.
         self.waiting.append(group)

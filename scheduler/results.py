@@ -13,9 +13,10 @@ from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.frontend import ErrorKind, TokenDelta
 from pagedserve.common.messages.types import SamplingParams
 from pagedserve.scheduler.beam import Hypothesis
+from pagedserve.scheduler.carry import StepCarry
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.grammar_gate import GrammarGate
-from pagedserve.scheduler.plan import StepPlan
+from pagedserve.scheduler.plan import StepOrderError, StepPhase, StepPlan
 from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
 
 
@@ -27,7 +28,7 @@ class Results:
     groups: dict[str, SequenceGroup]
     _seq_group: dict[int, SequenceGroup]
     _seq_ids: "itertools.count[int]"
-    _pending_forks: list[bm.Fork]
+    carry: StepCarry
     _deltas: list[TokenDelta]
 
     if TYPE_CHECKING:  # provided by the class this is mixed into
@@ -55,7 +56,17 @@ class Results:
             return msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + seq.index)
         return p
 
+    def _land(self, plan: StepPlan, step_id: int | None, call: str) -> None:
+        """The plan in flight, and only it, takes its result (carry.py)."""
+        plan.expect(StepPhase.SENT, call)
+        if self.carry.in_flight is not plan:
+            raise StepOrderError(f"{call}: step {plan.step_id} is not the step in flight")
+        if step_id is not None and step_id != plan.step_id:
+            raise StepOrderError(f"{call}: the result of step {step_id} for step {plan.step_id}")
+        self.carry.in_flight, plan.phase = None, StepPhase.APPLIED
+
     def on_step_result(self, plan: StepPlan, result: wk.StepResult) -> list[TokenDelta]:
+        self._land(plan, result.step_id, "on_step_result")
         self.on_grammars(result.grammars)
         for seq, _ in plan.scheduled.values():
             seq.num_pending = 0  # computed counts moved on when the step was sent (build_execute)
@@ -120,7 +131,7 @@ class Results:
             child = Sequence(next(self._seq_ids), i, parent.token_ids + [c.token_id], parent.num_prompt_tokens,
                              len(parent.token_ids), status=SeqStatus.RUNNING, cum_logprob=c.cum_logprob)
             self._track(group, child)
-            self._pending_forks.append(bm.Fork(parent.seq_id, child.seq_id))
+            self.carry.forks.append(bm.Fork(parent.seq_id, child.seq_id))
             children.append(child)
         for s in live:
             self._finish_seq(s, FinishReason.STOP)  # frees its blocks after the forks above
@@ -138,6 +149,7 @@ class Results:
 
     def on_step_failed(self, plan: StepPlan, message: str) -> list[TokenDelta]:
         """The worker failed the step: fail the requests it held, keep serving."""
+        self._land(plan, None, "on_step_failed")
         self.grammars.unask(plan.compile)
         # A group aborted while the step ran (async scheduling) is gone already.
         hit = {g.request_id for s, _ in plan.scheduled.values() if (g := self._seq_group.get(s.seq_id)) is not None}
