@@ -101,7 +101,7 @@ class ResumeBook:
                     if sid not in self._samples:
                         self._samples[sid] = (rid, i)
                         f.sample_ids.append(sid)
-                    one = msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                    one = p.for_sample(i)
                     out.append(self._continued(msgspec.structs.replace(r, request_id=sid, params=one),
                                                f.streamed.get(i, [])))
         return out

@@ -51,9 +51,7 @@ class Results:
             return msgspec.structs.replace(p, temperature=0.0, seed=None, n=1, beam_width=1,
                                            logprobs=group.beam.candidates_per_beam)
         if p.n > 1:
-            # Each sample has its own seed stream: the same outputs as n separate
-            # requests seeded seed, seed+1, ... (sharing must not change results).
-            return msgspec.structs.replace(p, n=1, seed=None if p.seed is None else p.seed + seq.index)
+            return p.for_sample(seq.index)  # sharing must not change results
         return p
 
     def _land(self, plan: StepPlan, step_id: int | None, call: str) -> None:

@@ -44,6 +44,12 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def for_sample(self, index: int) -> "SamplingParams":
+        """Sample ``index`` of ``n`` on its own: seeded ``seed + index``, so the
+        outputs equal n separate requests seeded seed, seed+1, ... (the one
+        rule for the scheduler's samples and the frontend's resumed ones)."""
+        return msgspec.structs.replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+
 
 class ModelInfo(msgspec.Struct, frozen=True, array_like=True):
     """What the worker learned from the checkpoint, passed up to everyone."""
