@@ -88,10 +88,6 @@ def sharegpt_like(n: int, seed: int = 0) -> list[RequestLen]:
     return sample_lengths("sharegpt", n, seed)
 
 
-def alpaca_like(n: int, seed: int = 0) -> list[RequestLen]:
-    return sample_lengths("alpaca", n, seed)
-
-
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     """Arrival times (s) of a Poisson process with ``rate`` requests/s."""
     if rate <= 0:
