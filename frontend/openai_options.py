@@ -22,4 +22,7 @@ class OpenAIOptions:
     tool_call_parser: str | None = None  # a name in tool_parsers.PARSERS
     log_requests: bool = False  # log each request's id and parameters (vLLM's --enable-log-requests)
     allowed_origins: tuple[str, ...] = ()  # CORS; ("*",) allows any
+    allowed_methods: tuple[str, ...] = ("*",)  # CORS (vLLM's --allowed-methods)
+    allowed_headers: tuple[str, ...] = ("*",)  # CORS (vLLM's --allowed-headers)
+    allow_credentials: bool = False  # CORS (vLLM's --allow-credentials)
     root_path: str = ""  # a prefix a proxy strips before us (vLLM's --root-path)
