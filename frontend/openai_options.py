@@ -13,6 +13,7 @@ from typing import Any
 class OpenAIOptions:
     response_role: str = "assistant"  # the role of the generated chat message
     chat_template: str | None = None  # Jinja text that replaces the tokenizer's; None: the tokenizer's
+    trust_request_chat_template: bool = False  # a request's own chat_template is refused unless set (vLLM)
     max_logprobs: int = 20  # the most logprobs / top_logprobs / prompt_logprobs a request may ask for
     # Sampling defaults a request's own fields override (vLLM's --generation-config auto: the model's
     # generation_config.json; plus --override-generation-config). Keys are SamplingParams names
