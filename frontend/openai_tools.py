@@ -8,9 +8,10 @@ structured outputs, ``tool_calls`` in the answer, and assistant ``tool_calls`` /
   ``parallel_tool_calls: false``) of ``{"name", "parameters"}`` items, one
   schema per tool (vLLM's form), returned as that many tool calls;
 * ``"none"``: free text (the tools are still rendered into the prompt);
-* ``"auto"`` (the default when tools are sent) is refused with 400: deciding
-  between text and a call needs a model-specific tool-call parser (vLLM refuses
-  it too unless one is configured).
+* ``"auto"`` (the default when tools are sent): free text, read afterwards by
+  the server's tool-call parser (``--enable-auto-tool-choice --tool-call-parser
+  NAME``, ``tool_parsers``), streamed as its deltas; without one it is refused
+  with vLLM's 400 message.
 
 ``finish_reason`` is ``"tool_calls"`` when the call is complete; an output cut by
 ``max_tokens`` keeps ``"length"`` and returns its raw text as content.
@@ -26,24 +27,32 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pagedserve.frontend.errors import ApiError
+from pagedserve.frontend.openai_options import OpenAIOptions
+from pagedserve.frontend import openai_tools_auto
 from pagedserve.frontend.openai_structured import TOOL_FIELDS
 from pagedserve.frontend.outputs import Chunk
+from pagedserve.frontend.tool_parsers import PARSERS
+from pagedserve.frontend.tool_parsers.base import tool_call_id
 from pagedserve.frontend.validation import ValidationError
 from pagedserve.v1 import generation_pb2 as pb
 
 MAX_TOOLS = 128
 MAX_TOOL_CALLS_IN_MESSAGE = 64
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# vLLM's words, for "auto" on a server started without a parser
+AUTO_REFUSED = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 
 
 @dataclass(frozen=True)
 class ToolMode:
-    name: str | None  # a named function; None: "required"
-    schema: str  # JSON schema text the output follows
+    name: str | None  # a named function; None: "required" or "auto"
+    schema: str | None  # JSON schema text the output follows; None: free text ("auto")
+    parser: str | None = None  # "auto": the tool-call parser that reads the output
+    parallel: bool | None = None  # parallel_tool_calls; False: only the first call is kept
 
 
 def _tool_list(tools: Any) -> dict[str, dict[str, Any]]:
@@ -66,8 +75,9 @@ def _tool_list(tools: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def take_tools(body: dict[str, Any]) -> tuple[ToolMode | None, list[dict[str, Any]] | None, dict[str, Any]]:
-    """(the enforced mode, the tools to render, the body without tool fields)."""
+def take_tools(body: dict[str, Any], opts: OpenAIOptions | None = None
+               ) -> tuple[ToolMode | None, list[dict[str, Any]] | None, dict[str, Any]]:
+    """(the enforced or parsed mode, the tools to render, the body without tool fields)."""
     rest = {k: v for k, v in body.items() if k not in TOOL_FIELDS}
     tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -78,8 +88,9 @@ def take_tools(body: dict[str, Any]) -> tuple[ToolMode | None, list[dict[str, An
         return None, None, rest
     funcs = _tool_list(tools)
     if choice is None or choice == "auto":
-        raise ValidationError("tool_choice", '"auto" is not supported (no tool-call parser): send "required", '
-                                             '"none" or {"type": "function", "function": {"name": ...}}')
+        if opts is None or not opts.enable_auto_tool_choice or opts.tool_call_parser not in PARSERS:
+            raise ApiError(400, AUTO_REFUSED, param="tool_choice")
+        return ToolMode(None, None, opts.tool_call_parser, parallel), tools, rest
     if choice == "none":
         return None, tools, rest
     if choice == "required":
@@ -100,6 +111,8 @@ def take_tools(body: dict[str, Any]) -> tuple[ToolMode | None, list[dict[str, An
 
 
 def enforce(mode: ToolMode, sp: pb.SamplingParams) -> None:
+    if mode.schema is None:  # "auto": the model writes what it likes, the parser reads it
+        return
     if sp.HasField("structured_outputs"):
         raise ValidationError("tool_choice", "cannot be combined with response_format or another "
                                              "structured-output field")
@@ -171,12 +184,14 @@ def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
         if not isinstance(value, list) or not all(isinstance(v, dict) and "name" in v for v in value):
             return None
         pairs = [(str(v["name"]), v.get("parameters", {})) for v in value]
-    return [{"id": "chatcmpl-tool-" + uuid.uuid4().hex, "type": "function",
+    return [{"id": tool_call_id(), "type": "function",
              "function": {"name": n, "arguments": json.dumps(a)}} for n, a in pairs]
 
 
 def choice_formatter(mode: ToolMode, logprobs: Callable[[Chunk], Any]) -> Callable[[Chunk, dict[str, Any] | None], dict[str, Any]]:
-    """The gateway's chat choice builder for a tool-enforced request."""
+    """The gateway's chat choice builder for a tool-enforced or auto request."""
+    if mode.parser is not None:
+        return openai_tools_auto.formatter(mode.parser, mode.parallel, logprobs)
 
     def finish(c: Chunk, calls: list[dict[str, Any]] | None) -> str | None:
         if c.finish_reason == "stop" and calls is not None:
@@ -200,7 +215,7 @@ def choice_formatter(mode: ToolMode, logprobs: Callable[[Chunk], Any]) -> Callab
         if mode.name is not None:  # the name is known: stream the arguments as they come
             call: dict[str, Any] = {"index": 0, "function": {"arguments": c.text}}
             if "role" in delta:
-                call.update(id="chatcmpl-tool-" + uuid.uuid4().hex, type="function")
+                call.update(id=tool_call_id(), type="function")
                 call["function"]["name"] = mode.name
             if c.text or "role" in delta:
                 delta["tool_calls"] = [call]
