@@ -30,6 +30,7 @@ from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.auth import ApiKeys
 from pagedserve.frontend.engine_client import DuplicateRequestId
 from pagedserve.frontend import http_batch, http_extras, http_fields, http_json
+from pagedserve.frontend.error_table import rejected_api_error
 from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.http_conn import ClosingError, ConnectionGuard, HttpLimits, read_body, send_and_close
 from pagedserve.frontend.http_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
@@ -220,9 +221,7 @@ class Gateway:
         try:
             return await self.svc.open(prepared, self._key_id(request))
         except Rejected as e:
-            if e.reason == "unavailable":
-                raise ApiError(503, str(e), "service_unavailable") from None
-            raise ApiError(429, str(e), "rate_limit_error", code=e.reason) from None
+            raise rejected_api_error(e.reason, str(e)) from None
         except DuplicateRequestId:
             raise ApiError(409, "request id already running", code="duplicate") from None
 

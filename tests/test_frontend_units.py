@@ -320,12 +320,3 @@ def test_no_length_bound_for_tokenizers_that_drop_characters() -> None:
     assert max_chars_per_token(fast(bpe2)) is None
 
 
-def test_every_error_kind_has_one_grpc_status() -> None:
-    import grpc
-
-    from pagedserve.common.messages.frontend import ErrorKind
-    from pagedserve.frontend.server import GRPC_STATUS
-
-    assert set(GRPC_STATUS) == set(ErrorKind)
-    assert GRPC_STATUS[ErrorKind.KV_CACHE] is grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert GRPC_STATUS[ErrorKind.UNAVAILABLE] is grpc.StatusCode.UNAVAILABLE
