@@ -266,7 +266,7 @@ class Gateway:
         check_fields(body, CHAT_FIELDS)
         try:  # messages (tool calls included), tools and tool_choice: frontend/openai_tools.py
             conv = openai_tools.chat_messages(body.get("messages"))
-            tool_mode, tools, body = openai_tools.take_tools(body)
+            tool_mode, tools, body = openai_tools.take_tools(body, self.opts)
         except ValidationError as e:
             raise ApiError(400, str(e), param=e.field) from None
         tok = self.svc.tokenizer
@@ -344,7 +344,8 @@ class Gateway:
 
         try:
             while (chunks := await stream.next()) is not None:
-                choices = [choice(c, accs.setdefault(c.index, {})) for c in chunks]
+                # a None choice: nothing to send yet (a tool-call parser holds text back)
+                choices = [x for c in chunks if (x := choice(c, accs.setdefault(c.index, {}))) is not None]
                 if choices:
                     await send({"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model,
                                 "choices": choices})
