@@ -56,7 +56,7 @@ class SeqStates:
         except KeyError:
             raise ValueError(f"unknown seq {seq_id} (never sent as NewSeq, or already finished)") from None
 
-    def _add(self, new: NewSeq, num_gpu_blocks: int) -> None:
+    def _add(self, new: NewSeq) -> None:
         if new.seq_id in self.seqs:
             # The scheduler drops a sequence (``finished``, applied first) before it
             # re-sends it after a recompute preemption; a second NewSeq is a bug.
@@ -66,8 +66,8 @@ class SeqStates:
         if not 0 <= new.num_computed_tokens < len(new.token_ids):
             raise ValueError(f"seq {new.seq_id}: num_computed_tokens {new.num_computed_tokens} "
                              f"outside [0, {len(new.token_ids)})")
-        check_blocks(new.seq_id, new.block_ids, num_gpu_blocks)
-        self.seqs[new.seq_id] = SeqState(new.seq_id, list(new.token_ids), list(new.block_ids),
+        # An empty table: this step's block diffs (applied after new_seqs) fill it.
+        self.seqs[new.seq_id] = SeqState(new.seq_id, list(new.token_ids), [],
                                          new.num_computed_tokens, new.params, new.num_prompt_tokens)
 
     def apply(self, step: ExecuteStep, pool: KVPool) -> list[tuple[SeqState, int]]:
@@ -75,7 +75,7 @@ class SeqStates:
         for seq_id in step.finished:
             self.seqs.pop(seq_id, None)
         for new in step.new_seqs:
-            self._add(new, pool.num_gpu_blocks)
+            self._add(new)
         for diff in step.block_diffs:
             seq = self.get(diff.seq_id)
             if diff.table_start > len(seq.block_ids):

@@ -299,7 +299,7 @@ class Scheduler(Intake, Preemption, Results):
             group = self._seq_group[seq.seq_id]
             # Its blocks follow as diffs (applied after new_seqs): the worker's
             # table is built from the blockmgr's diffs only.
-            new_seqs.append(wk.NewSeq(seq.seq_id, list(seq.token_ids), [], seq.num_computed_tokens,
+            new_seqs.append(wk.NewSeq(seq.seq_id, list(seq.token_ids), seq.num_computed_tokens,
                                       self._worker_params(group, seq), seq.num_prompt_tokens))
             seq.known_to_worker = True
         # A sequence freed or recomputed later in the step is not (or no longer) the worker's.

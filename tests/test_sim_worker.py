@@ -61,8 +61,10 @@ def test_step_time_shape() -> None:
     assert (prefill - 2e-3 - 26e9 / HBM) > 26e9 / HBM
 
 
-def _step(step_id: int, new: list[wk.NewSeq], sched: list[tuple[int, int]]) -> wk.ExecuteStep:
-    return wk.ExecuteStep(step_id, new, [], [wk.ScheduledSeq(s, k) for s, k in sched], [])
+def _step(step_id: int, new: list[tuple[wk.NewSeq, list[int]]], sched: list[tuple[int, int]]) -> wk.ExecuteStep:
+    """New sequences with their blocks, sent as the scheduler does: the table as a diff in the same step."""
+    return wk.ExecuteStep(step_id, [n for n, _ in new], [wk.BlockDiff(n.seq_id, 0, blocks) for n, blocks in new],
+                          [wk.ScheduledSeq(s, k) for s, k in sched], [])
 
 
 def test_worker_reports_modelled_time_without_sleeping() -> None:
@@ -71,7 +73,7 @@ def test_worker_reports_modelled_time_without_sleeping() -> None:
     plain = SimWorker(16, 4)
     params = SamplingParams(max_tokens=4)
     steps = [
-        _step(0, [wk.NewSeq(1, [5, 6, 7, 8, 9], [1, 2], 0, params, 5)], [(1, 5)]),
+        _step(0, [(wk.NewSeq(1, [5, 6, 7, 8, 9], 0, params, 5), [1, 2])], [(1, 5)]),
         _step(1, [], [(1, 1)]),
     ]
     t0 = time.perf_counter()
@@ -103,12 +105,12 @@ def test_slot_pool_catches_a_shared_block_and_follows_swaps() -> None:
     params = SamplingParams(max_tokens=4)
     w = SimWorker(8, 4, num_cpu_blocks=4)
     # Two sequences wrongly given the same block: the second write clobbers the first.
-    w.execute(_step(0, [wk.NewSeq(1, [1, 2, 3], [1], 0, params, 3)], [(1, 3)]))
+    w.execute(_step(0, [(wk.NewSeq(1, [1, 2, 3], 0, params, 3), [1])], [(1, 3)]))
     with pytest.raises(Exception, match="reads token"):
-        w.execute(_step(1, [wk.NewSeq(2, [4, 5, 6], [1], 0, params, 3)], [(2, 3), (1, 1)]))
+        w.execute(_step(1, [(wk.NewSeq(2, [4, 5, 6], 0, params, 3), [1])], [(2, 3), (1, 1)]))
     # A swap out and back in to another block keeps the content readable.
     w = SimWorker(8, 4, num_cpu_blocks=4)
-    w.execute(_step(0, [wk.NewSeq(1, [1, 2, 3], [1], 0, params, 3)], [(1, 3)]))
+    w.execute(_step(0, [(wk.NewSeq(1, [1, 2, 3], 0, params, 3), [1])], [(1, 3)]))
     w.execute(wk.ExecuteStep(1, [], [], [], [], swap_out=[(1, 2)]))
     w.execute(wk.ExecuteStep(2, [], [wk.BlockDiff(1, 0, [5])], [], [], swap_in=[(2, 5)]))
     w.pool.gpu[1 * 4:2 * 4] = w.pool.gpu[0:4]  # the old block is reused by someone else
@@ -120,9 +122,9 @@ def test_a_new_seq_the_worker_holds_is_refused_unless_dropped_first() -> None:
     scheduler drops a sequence (finished) before it re-sends it."""
     params = SamplingParams(max_tokens=4)
     w = SimWorker(8, 4)
-    w.execute(_step(0, [wk.NewSeq(1, [1, 2, 3], [1], 0, params, 3)], [(1, 3)]))
+    w.execute(_step(0, [(wk.NewSeq(1, [1, 2, 3], 0, params, 3), [1])], [(1, 3)]))
     with pytest.raises(ValueError, match="sent as new while the worker holds it"):
-        w.execute(_step(1, [wk.NewSeq(1, [1, 2, 3], [1], 0, params, 3)], [(1, 3)]))
-    again = wk.ExecuteStep(2, [wk.NewSeq(1, [1, 2, 3], [], 0, params, 3)], [wk.BlockDiff(1, 0, [2])],
+        w.execute(_step(1, [(wk.NewSeq(1, [1, 2, 3], 0, params, 3), [1])], [(1, 3)]))
+    again = wk.ExecuteStep(2, [wk.NewSeq(1, [1, 2, 3], 0, params, 3)], [wk.BlockDiff(1, 0, [2])],
                            [wk.ScheduledSeq(1, 3)], finished=[1])  # recompute: drop, re-send, blocks as a diff
     assert [t.seq_id for t in w.execute(again).sampled] == [1]

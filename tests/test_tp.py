@@ -228,7 +228,7 @@ def test_gpuworker_process_starts_its_ranks_and_stops_them(tmp_path: Path) -> No
         ref.init()
         tokens_ref, tokens = [], []
         for runner_tokens, call in ((tokens_ref, ref.execute), (tokens, lambda s: client.call(s, timeout_s=60))):
-            step = wk.ExecuteStep(1, [wk.NewSeq(1, prompt, [5, 9], 0, GREEDY, 11)], [], [wk.ScheduledSeq(1, 11)], [])
+            step = wk.ExecuteStep(1, [wk.NewSeq(1, prompt, 0, GREEDY, 11)], [wk.BlockDiff(1, 0, [5, 9])], [wk.ScheduledSeq(1, 11)], [])
             for i in range(4):
                 res = call(step)
                 assert isinstance(res, wk.StepResult), res

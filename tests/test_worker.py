@@ -76,7 +76,8 @@ class Driver:
         for seq_id, (toks, params) in (new or {}).items():
             self.tokens[seq_id], self.blocks[seq_id], self.computed[seq_id] = list(toks), [], 0
             self._grow(seq_id, len(toks))
-            new_seqs.append(NewSeq(seq_id, list(toks), list(self.blocks[seq_id]), 0, params, len(toks)))
+            new_seqs.append(NewSeq(seq_id, list(toks), 0, params, len(toks)))
+            diffs.append(BlockDiff(seq_id, 0, list(self.blocks[seq_id])))  # a new sequence's table, as the scheduler sends it
         for seq_id, n in schedule.items():
             if seq_id in (new or {}):
                 continue
@@ -153,7 +154,8 @@ def test_prefix_cached_start_reads_shared_blocks(ckpt: tuple[str, torch.nn.Modul
     own = d.free.pop()
     d.blocks[1], d.tokens[1], d.computed[1] = shared + [own], list(b), 16
     d.step_id += 1
-    res = runner.execute(ExecuteStep(d.step_id, [NewSeq(1, b, shared + [own], 16, GREEDY, len(b))], [], [ScheduledSeq(1, 7)], []))
+    res = runner.execute(ExecuteStep(d.step_id, [NewSeq(1, b, 16, GREEDY, len(b))], [BlockDiff(1, 0, shared + [own])],
+                                     [ScheduledSeq(1, 7)], []))
     assert [t.seq_id for t in res.sampled] == [1]
     assert_logits_close(runner.last_logits[1], hf_logits(hf, b)[-1])
 
@@ -172,7 +174,8 @@ def test_copy_on_write_fork_and_swap_round_trip(ckpt: tuple[str, torch.nn.Module
     fork = p + [(d.tokens[0][-1] + 1) % 500]
     d.blocks[1], d.tokens[1], d.computed[1] = [d.blocks[0][0], dst], list(fork), 13
     d.step_id += 1
-    runner.execute(ExecuteStep(d.step_id, [NewSeq(1, fork, d.blocks[1], 13, GREEDY, 13)], [], [ScheduledSeq(1, 1)], [], copies=[(src, dst)]))
+    runner.execute(ExecuteStep(d.step_id, [NewSeq(1, fork, 13, GREEDY, 13)], [BlockDiff(1, 0, d.blocks[1])], [ScheduledSeq(1, 1)], [],
+                               copies=[(src, dst)]))
     d.computed[1] += 1
     d.tokens[1].append(int(runner.last_logits[1].argmax()))
     assert_logits_close(runner.last_logits[1], hf_logits(hf, fork)[-1])
@@ -204,9 +207,10 @@ def test_finished_state_is_dropped_and_errors_are_clear(ckpt: tuple[str, torch.n
     with pytest.raises(ValueError, match="unknown seq 0"):
         runner.execute(ExecuteStep(99, [], [], [ScheduledSeq(0, 1)], []))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        runner.execute(ExecuteStep(100, [NewSeq(5, [1, 10**6], [0], 0, GREEDY, 2)], [], [ScheduledSeq(5, 2)], []))
+        runner.execute(ExecuteStep(100, [NewSeq(5, [1, 10**6], 0, GREEDY, 2)], [BlockDiff(5, 0, [0])], [ScheduledSeq(5, 2)], []))
     with pytest.raises(ValueError, match="cannot hold"):
-        runner.execute(ExecuteStep(101, [NewSeq(6, list(range(3, 3 + BS + 1)), [9], 0, GREEDY, BS + 1)], [], [ScheduledSeq(6, BS + 1)], []))
+        runner.execute(ExecuteStep(101, [NewSeq(6, list(range(3, 3 + BS + 1)), 0, GREEDY, BS + 1)], [BlockDiff(6, 0, [9])],
+                                   [ScheduledSeq(6, BS + 1)], []))
     runner.reset()
     assert runner.states.seqs == {}
 
@@ -323,7 +327,7 @@ def test_prompt_logprobs_and_sampled_logprobs_match_transformers(ckpt: tuple[str
     d.step({0: 16}, new={0: (a[:16], GREEDY)})
     shared = d.blocks[0][:2]
     d.step_id += 1
-    res = runner.execute(ExecuteStep(d.step_id, [NewSeq(1, a, shared + [d.free.pop()], 16, scored, 20)], [],
+    res = runner.execute(ExecuteStep(d.step_id, [NewSeq(1, a, 16, scored, 20)], [BlockDiff(1, 0, shared + [d.free.pop()])],
                                      [ScheduledSeq(1, 4)], []))
     (p,) = res.prompt_logprobs
     assert p.start == 17 and len(p.entries) == 3

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.default_model import resolve_model
 from pagedserve.common.messages.types import SamplingParams
-from pagedserve.common.messages.worker import ExecuteStep, NewSeq, ScheduledSeq
+from pagedserve.common.messages.worker import BlockDiff, ExecuteStep, NewSeq, ScheduledSeq
 from pagedserve.gpuworker.model_runner import ModelRunner
 
 
@@ -28,7 +28,8 @@ def test_smollm2_greedy_matches_transformers() -> None:
     blocks = list(range(15, 15 - (len(prompt) + n_new + 15) // 16, -1))
     greedy = SamplingParams(temperature=0.0)
     tokens = list(prompt)
-    step = ExecuteStep(0, [NewSeq(0, list(prompt), blocks, 0, greedy, len(prompt))], [], [ScheduledSeq(0, len(prompt))], [])
+    step = ExecuteStep(0, [NewSeq(0, list(prompt), 0, greedy, len(prompt))], [BlockDiff(0, 0, blocks)],
+                       [ScheduledSeq(0, len(prompt))], [])
     logits = []
     for i in range(n_new):
         res = runner.execute(step)

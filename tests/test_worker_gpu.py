@@ -143,9 +143,9 @@ def test_cuda_pool_takes_the_profiled_share_of_memory(model: str, tmp_path_facto
     seq_len = min(max_tokens, runner.max_model_len)
     n = max_tokens // seq_len
     per_seq = seq_len // 16
-    new = [NewSeq(i, prompts(1, [seq_len], seed=i)[0], list(range(i * per_seq, (i + 1) * per_seq)), 0, GREEDY, seq_len)
-           for i in range(n)]
-    res = runner.execute(ExecuteStep(1, new, [], [ScheduledSeq(i, seq_len) for i in range(n)], []))
+    new = [NewSeq(i, prompts(1, [seq_len], seed=i)[0], 0, GREEDY, seq_len) for i in range(n)]
+    tables = [BlockDiff(i, 0, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(n)]
+    res = runner.execute(ExecuteStep(1, new, tables, [ScheduledSeq(i, seq_len) for i in range(n)], []))
     assert len(res.sampled) == n
     free_after, _ = torch.cuda.mem_get_info()
     print(f"POOL-SIZING {model}: after a {n}x{seq_len}-token step device used={(total - free_after) / total:.4f}")

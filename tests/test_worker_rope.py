@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.messages.types import SamplingParams
-from pagedserve.common.messages.worker import ExecuteStep, NewSeq, ScheduledSeq
+from pagedserve.common.messages.worker import BlockDiff, ExecuteStep, NewSeq, ScheduledSeq
 from pagedserve.gpuworker.model_runner import ModelRunner
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -24,7 +24,7 @@ def test_scaled_rope_logits_match_transformers(tmp_path: Path, scaling: dict[str
     runner = ModelRunner(EngineConfig(model=d, num_gpu_blocks=64), keep_logits=True)
     runner.init()
     blocks = list(range(20, 7, -1))
-    runner.execute(ExecuteStep(0, [NewSeq(0, ids, blocks, 0, SamplingParams(temperature=0.0), len(ids))], [],
+    runner.execute(ExecuteStep(0, [NewSeq(0, ids, 0, SamplingParams(temperature=0.0), len(ids))], [BlockDiff(0, 0, blocks)],
                                [ScheduledSeq(0, len(ids))], []))
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -32,7 +32,7 @@ def test_worker_process_serves_steps_and_exits_cleanly(tmp_path: Path) -> None:
         assert isinstance(ready, wk.WorkerReady), ready
         assert ready.num_gpu_blocks == 32 and ready.block_size == 8 and ready.model.vocab_size == 509
         greedy = SamplingParams(temperature=0.0)
-        step = wk.ExecuteStep(1, [wk.NewSeq(7, [5, 6, 7, 8, 9], [3], 0, greedy, 5)], [], [wk.ScheduledSeq(7, 5)], [])
+        step = wk.ExecuteStep(1, [wk.NewSeq(7, [5, 6, 7, 8, 9], 0, greedy, 5)], [wk.BlockDiff(7, 0, [3])], [wk.ScheduledSeq(7, 5)], [])
         res = client.call(step, timeout_s=30)
         assert isinstance(res, wk.StepResult) and [t.seq_id for t in res.sampled] == [7]
         # An unknown sequence is an error reply, not a crash.

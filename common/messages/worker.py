@@ -17,11 +17,13 @@ GRAMMAR_CACHE_SIZE = 256
 
 
 class NewSeq(msgspec.Struct, array_like=True):
-    """A sequence the worker has not seen (or re-sees after recompute)."""
+    """A sequence the worker has not seen (or re-sees after recompute).
+
+    No blocks: its table arrives as ``BlockDiff``s in the same step (applied
+    after ``new_seqs``), the blockmgr's diffs being the table's only source."""
 
     seq_id: int
     token_ids: list[int]  # prompt, plus already generated tokens after a recompute preemption
-    block_ids: list[int]
     num_computed_tokens: int  # tokens whose K/V is already in the pool (prefix-cache hits)
     params: SamplingParams
     num_prompt_tokens: int  # so penalties and seeds know where the output starts

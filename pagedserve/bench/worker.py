@@ -41,7 +41,7 @@ import torch
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.default_model import resolve_model
 from pagedserve.common.messages.types import SamplingParams
-from pagedserve.common.messages.worker import ExecuteStep, NewSeq, ScheduledSeq
+from pagedserve.common.messages.worker import BlockDiff, ExecuteStep, NewSeq, ScheduledSeq
 
 # Shapes for --random-weights (Llama architecture; no checkpoint needed).
 RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
@@ -149,9 +149,10 @@ class WorkerDriver:
         self.next_seq = 0
         self.last_prefill: int | None = None
 
-    def _exec(self, new: list[NewSeq], sched: list[ScheduledSeq], finished: list[int] | None = None) -> Any:
+    def _exec(self, new: list[NewSeq], diffs: list[BlockDiff], sched: list[ScheduledSeq],
+              finished: list[int] | None = None) -> Any:
         self.step_id += 1
-        return self.runner.execute(ExecuteStep(self.step_id, new, [], sched, finished or []))
+        return self.runner.execute(ExecuteStep(self.step_id, new, diffs, sched, finished or []))
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
@@ -162,15 +163,17 @@ class WorkerDriver:
         per_seq = math.ceil((context + total_steps + 2) / self.bs)
         ids = list(range(self.next_seq, self.next_seq + batch))
         self.next_seq += batch
-        new = [NewSeq(s, self.tokens(context + 1), list(range(i * per_seq, (i + 1) * per_seq)), context, GREEDY, context + 1)
-               for i, s in enumerate(ids)]
+        new = [NewSeq(s, self.tokens(context + 1), context, GREEDY, context + 1) for s in ids]
+        # Their tables arrive with them, as diffs, in the first step only.
+        diffs = [BlockDiff(s, 0, list(range(i * per_seq, (i + 1) * per_seq))) for i, s in enumerate(ids)]
         sched = [ScheduledSeq(s, 1) for s in ids]
-        pending = [new]
+        pending = [(new, diffs)]
 
         def step() -> object:
-            return self._exec(pending.pop() if pending else [], sched)
+            now_new, now_diffs = pending.pop() if pending else ([], [])
+            return self._exec(now_new, now_diffs, sched)
 
-        return step, lambda: self._exec([], [], ids) and None
+        return step, lambda: self._exec([], [], [], ids) and None
 
     def prefill(self, length: int, first_block: int) -> Callable[[], object]:
         """Each step: a fresh sequence of ``length`` random tokens (the previous one finished)."""
@@ -182,7 +185,8 @@ class WorkerDriver:
         self.next_seq += 1
         blocks = list(range(first_block, first_block + math.ceil(len(tokens) / self.bs)))
         finished = [seq - 1] if self.last_prefill == seq - 1 else []
-        self._exec([NewSeq(seq, tokens, blocks, 0, GREEDY, len(tokens))], [ScheduledSeq(seq, len(tokens))], finished)
+        self._exec([NewSeq(seq, tokens, 0, GREEDY, len(tokens))], [BlockDiff(seq, 0, blocks)],
+                   [ScheduledSeq(seq, len(tokens))], finished)
         self.last_prefill = seq
         return seq
 
