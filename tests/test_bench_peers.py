@@ -132,3 +132,15 @@ def test_set_paused_stops_and_continues_a_whole_process_tree() -> None:
         for pid in reversed(process_tree(parent.pid)):
             subprocess.run(["kill", "-9", str(pid)])
         parent.wait()
+
+
+def test_the_long_prompt_workload_shares_a_system_prompt() -> None:
+    from pagedserve.bench.peers import LONG_SYSTEM_TOKENS, build_workload
+
+    work = build_workload("long", 32, 0, 1000, 4096, None)
+    assert len(work) == 32 and {o for _, o in work} == {128}
+    assert all(1500 <= len(p) <= 2000 for p, _ in work)
+    system = work[0][0][:LONG_SYSTEM_TOKENS]
+    assert all(p[:LONG_SYSTEM_TOKENS] == system for p, _ in work)
+    assert len({tuple(p[LONG_SYSTEM_TOKENS:LONG_SYSTEM_TOKENS + 8]) for p, _ in work}) == 32  # own parts differ
+    assert build_workload("long", 32, 0, 1000, 4096, None) == work  # seeded

@@ -29,7 +29,11 @@ from pagedserve.bench.workloads import machine_info, sample_lengths, synthetic_p
 
 # Output/prompt scale per workload: ShareGPT x0.25 keeps a CPU run to minutes
 # (about 5,900 output tokens over 64 requests at seed 0); Alpaca is short already.
-SCALES = {"sharegpt": 0.25, "alpaca": 1.0}
+SCALES = {"sharegpt": 0.25, "alpaca": 1.0, "long": 1.0}
+# The long-prompt workload (issue 23): every prompt is one shared system prompt
+# plus its own 500-1,000 tokens (1,500-2,000 in all), 128 output tokens each;
+# it exercises prefill, attention over long contexts and prefix caching.
+LONG_SYSTEM_TOKENS, LONG_OWN_TOKENS, LONG_OUTPUT_TOKENS = 1000, (500, 1000), 128
 # pagedserve-async / -sync: --async-scheduling on / off (the default is auto: on with CUDA only)
 ENGINES = ("pagedserve", "pagedserve-async", "pagedserve-sync", "hf", "vllm")
 DEFAULT_ENGINES = ("pagedserve", "hf", "vllm")
@@ -37,6 +41,8 @@ DEFAULT_ENGINES = ("pagedserve", "hf", "vllm")
 
 def build_workload(name: str, n: int, seed: int, vocab: int, max_len: int, max_output: int | None) -> Work:
     """Prompt ids and output lengths, scaled, capped so prompt + output < max_len."""
+    if name == "long":
+        return long_prompt_workload(n, seed, vocab, max_output)
     scale = SCALES[name]
     work = []
     for i, r in enumerate(sample_lengths(name, n, seed)):
@@ -45,6 +51,16 @@ def build_workload(name: str, n: int, seed: int, vocab: int, max_len: int, max_o
         o = min(o, max_output or o, max_len - 1 - p)
         work.append((synthetic_prompt(p, seed * 1_000_003 + i, vocab), o))
     return work
+
+
+def long_prompt_workload(n: int, seed: int, vocab: int, max_output: int | None) -> Work:
+    import random
+
+    rng = random.Random(seed)
+    system = synthetic_prompt(LONG_SYSTEM_TOKENS, seed * 7 + 1, vocab)
+    out = min(LONG_OUTPUT_TOKENS, max_output or LONG_OUTPUT_TOKENS)
+    return [(system + synthetic_prompt(rng.randint(*LONG_OWN_TOKENS), seed * 1_000_003 + i, vocab), out)
+            for i in range(n)]
 
 
 def greedy_agreement(ref: list[list[int]], other: list[list[int]]) -> dict[str, Any]:
@@ -64,7 +80,8 @@ def _model_limits(model_dir: str) -> tuple[int, int]:
 
     cfg = AutoConfig.from_pretrained(model_dir).get_text_config()
     vocab = min(len(AutoTokenizer.from_pretrained(model_dir)), cfg.vocab_size)
-    return vocab, min(int(getattr(cfg, "max_position_embeddings", 2048) or 2048), 2048)
+    # 4,096 holds the long-prompt workload (up to 2,000 + 128 tokens).
+    return vocab, min(int(getattr(cfg, "max_position_embeddings", 2048) or 2048), 4096)
 
 
 def _chart(path: Path, res: dict[str, Any]) -> str | None:
@@ -121,7 +138,8 @@ def _summarize(times: dict[str, dict[str, list[float]]], work: dict[str, Work], 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="pagedserve bench peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--workload", default="sharegpt,alpaca", help="comma list of sharegpt, alpaca")
+    p.add_argument("--workload", default="sharegpt,alpaca", help="comma list of sharegpt, alpaca, long (32 requests of 1,500-2,000 prompt tokens sharing a "
+                        "1,000-token system prompt, 128 output tokens: use --requests 32)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-output", type=int, default=None, help="cap every request's output length")
     p.add_argument("--repeats", type=int, default=3)
