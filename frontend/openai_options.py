@@ -19,6 +19,9 @@ class OpenAIOptions:
     # generation_config.json; plus --override-generation-config). Keys are SamplingParams names
     # (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens).
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    # vLLM's override_max_tokens: a cap on every request's max_tokens (--override-generation-config's
+    # max_new_tokens; with a --generation-config folder, that folder's). None: no cap.
+    override_max_tokens: int | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # a name in tool_parsers.PARSERS
     log_requests: bool = False  # log each request's id and parameters (vLLM's --enable-log-requests)
