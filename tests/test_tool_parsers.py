@@ -148,6 +148,11 @@ def test_mistral_answers() -> None:
     assert all(len(x["id"]) == 9 and x["id"].isalnum() for x in calls)
     assert whole("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Par') == (
         '[{"name": "get_weather", "arguments": {"city": "Par', [])
+    # streamed: content as it comes up to the marker, the calls whole at the finish
+    deltas = stream("mistral", ["Let me", " check.[TOOL_CALLS][{", '"name": "f", "arguments": {"x": 1}}]'])
+    assert deltas[:2] == [{"content": "Let me"}, {"content": " check."}]
+    assert reassemble(deltas) == ("Let me check.", [("f", '{"x": 1}')])
+    assert reassemble(stream("mistral", ["It is ", "sunny."])) == ("It is sunny.", [])
 
 
 def test_start_up_check() -> None:

@@ -65,4 +65,23 @@ class MistralParser(ToolParser):
         return (content or None), calls  # an engine-based parser in vLLM: "" content is None
 
     def extract_streaming(self, previous: str, current: str, delta: str) -> Delta | None:
-        raise NotImplementedError("streamed mistral tool calls")
+        # Content streams as vLLM's until the marker; the calls after it are sent whole at the
+        # finish (vLLM streams them in pieces: not built yet).
+        if BOT in previous:
+            return None
+        if BOT in current:
+            before = current[:current.index(BOT)][len(previous):]
+            return {"content": before} if before else None
+        return {"content": delta}
+
+    def feed(self, delta: str, finished: bool) -> Delta | None:
+        msg = super().feed(delta, finished)
+        if not finished or BOT not in self._text:
+            return msg
+        _, calls = self.extract(self._text)
+        if not calls:
+            return msg
+        out: Delta = dict(msg or {})
+        out["tool_calls"] = [{"id": c["id"], "type": "function", "index": i, "function": dict(c["function"])}
+                             for i, c in enumerate(calls)]
+        return out
