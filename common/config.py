@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,12 @@ class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     device: str = "cpu"
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    kv_cache_dtype: str = "auto"  # auto: the weights' dtype (fp8 pools: a later issue)
+    load_format: str = "auto"  # auto | safetensors | pt | dummy (random weights of the model's shape)
+    hf_overrides: str | None = None  # a JSON object applied to the model's config.json on loading
+    trust_remote_code: bool = False
+    tokenizer: str | None = None  # a folder; None: the model's
+    tokenizer_mode: str = "auto"  # auto | hf | slow (use_fast=False)
     block_size: int = 16
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes; CPU default below
@@ -63,6 +71,8 @@ class EngineConfig:
     swap_space: float = 0.0  # GiB of CPU swap space
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 4096
+    enable_chunked_prefill: bool = True  # off: a prompt is prefilled in one step or waits
+    max_num_partial_prefills: int | None = None  # sequences partly prefilled at once; None: no cap
     max_model_len: int | None = None  # None: the model's own
     enable_prefix_caching: bool = True
     kv_watermark: float = DEFAULT_WATERMARK  # share of KV blocks kept free when admitting
@@ -105,6 +115,19 @@ class EngineConfig:
             raise ValueError("num_gpu_blocks must be at least 2")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype: one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: an fp8 KV cache is not available yet "
+                             "(only auto: the model's dtype)")
+        if self.tokenizer_mode == "mistral":
+            raise ValueError("--tokenizer-mode mistral: mistral_common tokenizers are not supported "
+                             "(auto, hf or slow)")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format: one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.max_num_partial_prefills is not None and not 1 <= self.max_num_partial_prefills <= self.max_num_seqs:
+            raise ValueError(f"--max-num-partial-prefills must be in [1, --max-num-seqs {self.max_num_seqs}], "
+                             f"got {self.max_num_partial_prefills}")
         if not 0.0 <= self.shutdown_timeout <= 3600.0:
             raise ValueError(f"shutdown_timeout must be in [0, 3600] seconds, got {self.shutdown_timeout}")
 
@@ -115,6 +138,29 @@ class EngineConfig:
         return "float32" if self.device == "cpu" else "bfloat16"
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings
+MAX_JSON_FLAG_CHARS = 65536  # --hf-overrides, --override-generation-config
+
+
+def dtype_name(text: str) -> str:
+    return DTYPE_ALIASES.get(text.strip().lower(), text.strip().lower())
+
+
+def json_object(text: str) -> str:
+    """A flag's JSON object, checked and normalised (a frozen config holds text, not a dict)."""
+    if len(text) > MAX_JSON_FLAG_CHARS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_JSON_FLAG_CHARS} characters of JSON, got {len(text)}")
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object {{...}} expected, got {type(value).__name__}")
+    return json.dumps(value, sort_keys=True)
+
+
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0  # the issue's; EngineConfig's 0 stays for components that do not drain
 
 
@@ -122,6 +168,32 @@ def shutdown_timeout_default() -> str | float:
     """``--shutdown-timeout``'s default where it drains (serve, the frontend): the variable, else 30 s.
     Here, not in serve_args, so the frontend reads it without importing the CLI layer."""
     return env("SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT_S)
+
+
+# The frontend's exit status when a port it must listen on is taken: ``serve`` then
+# adds nothing to the frontend's one line (and restarts nothing).
+EXIT_PORT_IN_USE = 3
+# The frontend also reports its gRPC health under this name plus its run's token
+# (PAGEDSERVE_RUN_TOKEN, set by serve): another server on the same port does not know it.
+RUN_HEALTH_PREFIX = "pagedserve.run."
+
+
+def bind_error(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on (taken, or an address not ours), else None.
+    SO_REUSEADDR as the servers set it: a closed socket's TIME_WAIT does not count.
+    No SO_REUSEPORT: another such listener (gRPC's default) must count as taken."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        return f"cannot resolve {host}: {e.strerror or e}"
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                return (e.strerror or str(e)).lower()
+    return None
 
 
 def worker_threads() -> int | None:
@@ -152,7 +224,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
              "none: the embedded SmolLM2-135M-Instruct")
     arg("--device", env_name="DEVICE", default=d.device, text="cpu, cuda or cuda:N")
     arg("--dtype", env_name="DTYPE", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"],
-        text="weights and KV dtype; auto: bfloat16 on CUDA, float32 on CPU")
+        type=dtype_name, metavar="{auto,half,float16,bfloat16,float,float32}",
+        text="weights and KV dtype (half: float16, float: float32); auto: bfloat16 on CUDA, float32 on CPU")
+    arg("--kv-cache-dtype", env_name="KV_CACHE_DTYPE", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+        text="KV cache dtype; auto: the weights' dtype (fp8*: refused, not built yet)")
+    arg("--load-format", env_name="LOAD_FORMAT", default=d.load_format, choices=list(LOAD_FORMATS),
+        text="weights: auto (safetensors, else pytorch .bin), safetensors, pt, or dummy (random values of "
+             "the model's shapes, for profiling)")
+    arg("--hf-overrides", env_name="HF_OVERRIDES", default=None, type=json_object,
+        text="JSON object of config.json fields to override when loading, e.g. '{\"max_position_embeddings\": 1024}'")
+    arg("--trust-remote-code", env_name="TRUST_REMOTE_CODE", default=env_flag("TRUST_REMOTE_CODE", False),
+        action="store_true", text="let transformers run the model folder's own Python code for its config "
+                                  "and tokenizer")
+    arg("--tokenizer", env_name="TOKENIZER", default=None,
+        text="tokenizer folder or cached hub id (chat template, prompts, structured outputs); none: the model's")
+    arg("--tokenizer-mode", env_name="TOKENIZER_MODE", default=d.tokenizer_mode,
+        choices=["auto", "hf", "slow", "mistral"],
+        text="auto/hf: the fast tokenizer where there is one; slow: use_fast=False; mistral: refused")
     arg("--block-size", env_name="BLOCK_SIZE", default=d.block_size, type=int, choices=[8, 16, 32],
         text="tokens per KV block")
     mem = p.add_mutually_exclusive_group()
@@ -169,6 +257,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         text="sequences in one batch at most")
     arg("--max-num-batched-tokens", env_name="MAX_NUM_BATCHED_TOKENS", default=d.max_num_batched_tokens,
         type=int, text="tokens in one step at most")
+    arg("--enable-chunked-prefill", env_name="ENABLE_CHUNKED_PREFILL",
+        default=env_flag("ENABLE_CHUNKED_PREFILL", d.enable_chunked_prefill), action=argparse.BooleanOptionalAction,
+        text="split a long prompt's prefill over steps of --max-num-batched-tokens; off: the step budget "
+             "grows to the model's length and a prompt is prefilled whole")
+    arg("--max-num-partial-prefills", env_name="MAX_NUM_PARTIAL_PREFILLS", default=None, type=int,
+        text="sequences whose prefill is split at the same time; none: no cap (vLLM 0.32's behaviour)")
     arg("--max-model-len", env_name="MAX_MODEL_LEN", default=None, type=int,
         text="prompt plus output tokens at most; none: the model's own")
     arg("--enable-prefix-caching", env_name="ENABLE_PREFIX_CACHING",
@@ -245,9 +339,13 @@ def engine_argv(cfg: EngineConfig) -> list[str]:
             if not v:
                 out.append("--no-prefix-caching")
             continue
-        if f.name == "enforce_eager":
+        if f.name == "enable_chunked_prefill":
+            if not v:
+                out.append("--no-enable-chunked-prefill")
+            continue
+        if f.name in ("enforce_eager", "trust_remote_code"):
             if v:
-                out.append("--enforce-eager")
+                out.append("--" + f.name.replace("_", "-"))
             continue
         out += ["--" + f.name.replace("_", "-"), str(v)]
     return out

@@ -1,6 +1,6 @@
 """Bearer-token auth for the gRPC API and the HTTP gateway.
 
-Keys come from ``--api-key`` and/or ``--api-key-file`` (one key per line,
+Keys come from ``--api-key`` (one or more) and/or ``--api-key-file`` (one key per line,
 ``#`` comments). Clients send ``authorization: Bearer <key>`` (gRPC metadata
 or HTTP header). Health checks and reflection stay open so load balancers and
 ``grpcurl describe`` work without a key; everything else is refused with
@@ -38,8 +38,9 @@ class ApiKeys:
         return hashlib.sha256(found).hexdigest()[:12] if found is not None else None
 
 
-def load_keys(api_key: str | None, key_file: str | None) -> ApiKeys:
-    keys = [api_key] if api_key else []
+def load_keys(api_key: str | list[str] | None, key_file: str | None) -> ApiKeys:
+    """``api_key``: one key or several (vLLM's ``--api-key k1 k2``); any of them, or of the file's, is accepted."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if key_file:
         with open(key_file) as f:
             keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]

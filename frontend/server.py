@@ -198,7 +198,10 @@ async def serve(svc: GenerationService, host: str, port: int, health_servicer: h
                              options=[("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
                                       ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
-                                      ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS)])
+                                      ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+                                      # Not gRPC's default SO_REUSEPORT: a second server on a taken port
+                                      # must fail to bind, not share the port with the first.
+                                      ("grpc.so_reuseport", 0)])
     add_servicer(GenerationServicer(svc, keys), server)  # parses requests itself: INVALID_ARGUMENT
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

@@ -1,5 +1,7 @@
-"""Reading a local Hugging Face folder: config, generation config, and the
-safetensors weights (one file or sharded with an index), tensor by tensor."""
+"""Reading a local Hugging Face folder: config (with --hf-overrides), generation
+config, and the weights tensor by tensor: safetensors or PyTorch .bin files (one
+or sharded with an index), or random values of the checkpoint's shapes
+(--load-format dummy)."""
 from __future__ import annotations
 
 import json
@@ -12,12 +14,27 @@ import torch
 from safetensors import safe_open
 
 
-def load_hf_config(folder: str) -> Any:
+def load_hf_config(folder: str, overrides: str | None = None, trust_remote_code: bool = False) -> Any:
+    """``overrides``: --hf-overrides' JSON object, applied over config.json (vLLM's hf_overrides)."""
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise FileNotFoundError(f"{folder} has no config.json (not a Hugging Face checkpoint folder)")
-    return AutoConfig.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    if overrides is not None:
+        _override(config, json.loads(overrides))
+    return config
+
+
+def _override(config: Any, values: dict[str, Any]) -> None:
+    from transformers import PretrainedConfig
+
+    for key, value in values.items():
+        sub = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(sub, PretrainedConfig):  # e.g. text_config
+            _override(sub, value)
+        else:
+            setattr(config, key, value)
 
 
 # A config that names no position limit (none of the supported families;
@@ -63,10 +80,56 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def iter_weights(folder: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def _bin_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "pytorch_model.bin.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return [os.path.join(folder, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+    files = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".bin")
+                   and n.startswith("pytorch_model"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no pytorch_model*.bin weights")
+    return files
+
+
+def _has_safetensors(folder: str) -> bool:
+    return any(n.endswith(".safetensors") for n in os.listdir(folder))
+
+
+DUMMY_RANGE = 1e-3  # vLLM's initialize_dummy_weights: uniform in [-1e-3, 1e-3]
+
+
+def dummy_weights(folder: str, hf_config: Any, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random tensors with the checkpoint's names and shapes (read from the
+    safetensors headers, no data), or, with no weight files, those of
+    transformers' model for the config, built on the meta device."""
+    if _has_safetensors(folder):
+        shapes = []
+        for path in safetensors_files(folder):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                shapes += [(n, tuple(f.get_slice(n).get_shape())) for n in f.keys()]
+    else:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+        shapes = [(n, tuple(t.shape)) for n, t in model.state_dict().items()]
+    gen = torch.Generator().manual_seed(seed)
+    for name, shape in shapes:
+        yield name, torch.empty(shape).uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
+
+
+def iter_weights(folder: str, progress: bool = True, load_format: str = "auto",
+                 hf_config: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of the checkpoint, with a progress
-    bar over the shards on stderr."""
-    files = safetensors_files(folder)
+    bar over the shards on stderr. ``load_format``: vLLM's auto (safetensors,
+    else .bin), safetensors, pt or dummy (needs ``hf_config`` without weight files)."""
+    if load_format == "dummy":
+        yield from dummy_weights(folder, hf_config)
+        return
+    pt = load_format == "pt" or (load_format == "auto" and not _has_safetensors(folder)
+                                 and os.path.isfile(os.path.join(folder, "config.json")) and _any_bin(folder))
+    files = _bin_files(folder) if pt else safetensors_files(folder)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -74,11 +137,18 @@ def iter_weights(folder: str, progress: bool = True) -> Iterator[tuple[str, torc
         bar = tqdm(total=len(files), desc="Loading safetensors shards", unit="shard", file=sys.stderr, leave=False)
     try:
         for path in files:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+            if pt:
+                yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
+            else:
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
             if bar is not None:
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
+
+
+def _any_bin(folder: str) -> bool:
+    return any(n.startswith("pytorch_model") and n.endswith(".bin") for n in os.listdir(folder))

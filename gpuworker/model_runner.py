@@ -131,8 +131,8 @@ class ModelRunner:
             hf, weights, name, eos = self.source.hf_config, self.source.weights(), self.source.name, self.source.eos_token_ids
         else:
             folder = resolve_model(cfg.model)
-            hf = load_hf_config(folder)
-            weights = iter_weights(folder, progress=tp.is_driver)
+            hf = load_hf_config(folder, cfg.hf_overrides, cfg.trust_remote_code)
+            weights = iter_weights(folder, progress=tp.is_driver, load_format=cfg.load_format, hf_config=hf)
             name = DEFAULT_MODEL_NAME if cfg.model is None else os.path.basename(os.path.normpath(folder))
             eos = eos_token_ids(folder, hf)
         self.hf_config = hf
@@ -155,7 +155,8 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim  # this rank's heads
         self.vocab_size = hf.vocab_size
         self.sampler = Sampler(cfg.seed, eos)  # before sizing: the CUDA profile runs it
-        self.structured = StructuredDecoding(None if self.source else resolve_model(cfg.model), self.vocab_size, eos)
+        tok_dir = resolve_model(cfg.tokenizer or cfg.model)  # --tokenizer's vocabulary for the grammars
+        self.structured = StructuredDecoding(None if self.source else tok_dir, self.vocab_size, eos)
         per_block = bytes_per_block(self.num_layers, cfg.block_size, self.num_kv_heads, self.head_dim, self.dtype)
         # Each rank sizes its own pool from its own memory; the block ids are
         # shared, so the group agrees on the smallest count.

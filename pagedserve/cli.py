@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import sys
 
 from pagedserve.common.curve import InsecureTransport
@@ -60,11 +62,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
         return 2
     try:
-        return int(importlib.import_module(_COMPONENTS[cmd]).main(rest) or 0)
+        rc = int(importlib.import_module(_COMPONENTS[cmd]).main(rest) or 0)
     # Refused internal sockets, a model that is not there: a clear line, no traceback.
     except (InsecureTransport, UnsafeRunDir, ModelNotFound) as e:
         print(f"pagedserve {cmd}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a component's own handlers are set: quiet
+        rc = 130
+    _quiet_exit(rc)
+    return rc
+
+
+def _quiet_exit(rc: int) -> None:
+    """After a component's clean stop, end without the interpreter's teardown
+    when a nanobind extension may be loaded (xgrammar's, triton's, which torch
+    and transformers import): its objects, still referenced from module
+    globals, print dozens of "leaked" warnings then. Nothing is lost: our
+    cleanup has already run, and the process ends either way."""
+    if not any(m in sys.modules for m in ("xgrammar", "triton", "torch")):
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from pagedserve.common.config import default_addresses, engine_argv
+from pagedserve.common.config import EXIT_PORT_IN_USE, RUN_HEALTH_PREFIX, bind_error, default_addresses, engine_argv
 from pagedserve.common.default_model import resolve_model
 from pagedserve.common.env import env as read_env
 from pagedserve.common.hub_cache import ModelNotFound
@@ -28,28 +29,31 @@ from pagedserve.serve_args import ServeArgs, parse_serve_args
 COMPONENTS = ("blockmgr", "gpuworker", "scheduler", "frontend")
 
 
-def _health_channel(addr: str) -> Any:  # a grpc.Channel (grpc is imported lazily)
-    """Plaintext, or TLS when the frontend will serve TLS (PAGEDSERVE_TLS_CERT,
-    which it reads too); the certificate itself, or PAGEDSERVE_TLS_CA, is the root."""
+def _health_channel(addr: str, cert: str | None = None) -> Any:  # a grpc.Channel (grpc is imported lazily)
+    """Plaintext, or TLS when the frontend will serve TLS (--ssl-certfile, else
+    PAGEDSERVE_TLS_CERT, which it reads too); the certificate itself, or PAGEDSERVE_TLS_CA, is the root."""
     import grpc
 
-    cert = read_env("TLS_CERT")
+    cert = cert or read_env("TLS_CERT")
     if not cert:
         return grpc.insecure_channel(addr)
     with open(read_env("TLS_CA") or cert, "rb") as f:
         return grpc.secure_channel(addr, grpc.ssl_channel_credentials(root_certificates=f.read()))
 
 
-def wait_healthy(addr: str, timeout_s: float, alive: "callable[[], bool]") -> bool:  # type: ignore[valid-type]
+def wait_healthy(addr: str, timeout_s: float, alive: Callable[[], bool], service: str = "",
+                 cert: str | None = None) -> bool:
+    """Until the frontend at ``addr`` reports SERVING for ``service`` (NOT_FOUND
+    from a server that does not know the name: keep waiting)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with _health_channel(addr) as ch:
+    with _health_channel(addr, cert) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline and alive():
             try:
-                r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
                 if r.status == health_pb2.HealthCheckResponse.SERVING:
                     return True
             except grpc.RpcError:
@@ -60,24 +64,41 @@ def wait_healthy(addr: str, timeout_s: float, alive: "callable[[], bool]") -> bo
 
 def _frontend_args(sa: ServeArgs) -> list[str]:
     out = ["--host", sa.host, "--port", str(sa.grpc_port), "--http-port", str(sa.http_port),
-           "--served-model-name", *sa.served_model_names]
+           "--served-model-name", *sa.served_model_names, *sa.frontend_flags]
     if sa.api_key_file:
         out += ["--api-key-file", sa.api_key_file]
+    if sa.tls_cert and sa.tls_key:
+        out += ["--tls-cert", sa.tls_cert, "--tls-key", sa.tls_key]
     return out
+
+
+def ports_taken(sa: ServeArgs) -> str | None:
+    """Before any child starts: a port already listened on is one clear line, not a crash loop."""
+    for flag, what, port in (("--port", "HTTP", sa.http_port), ("--grpc-port", "gRPC", sa.grpc_port)):
+        why = bind_error(sa.host, port)
+        if why is not None:
+            return f"{flag} {port} ({what}) on {sa.host}: {why} (another server there? pick a free port)"
+    return None
 
 
 def main(argv: list[str]) -> int:
     sa = parse_serve_args(argv)
+    taken = ports_taken(sa)
+    if taken:
+        print(f"pagedserve serve: error: {taken}", file=sys.stderr, flush=True)
+        return 1
     try:
         # A hub id or the embedded model becomes a folder here, once (the
         # embedded one is converted with progress); children get the folder.
         model_dir = resolve_model(sa.cfg.model, sa.revision)
+        tokenizer_dir = resolve_model(sa.cfg.tokenizer) if sa.cfg.tokenizer is not None else None
     except ModelNotFound as e:
         print(f"pagedserve serve: error: {e}", file=sys.stderr)
         return 2
     # With no model, children resolve the embedded one from the cache converted
     # above (and name it as before); a given model reaches them as its folder.
     cfg = dataclasses.replace(sa.cfg, model=model_dir) if sa.cfg.model is not None else sa.cfg
+    cfg = dataclasses.replace(cfg, tokenizer=tokenizer_dir)
     run_dir = tempfile.mkdtemp(prefix=f"pagedserve-run-{os.getpid()}-")
     addrs = default_addresses(run_dir)
     common = [*engine_argv(cfg), "--scheduler-in", addrs.scheduler_in,
@@ -85,8 +106,10 @@ def main(argv: list[str]) -> int:
               "--worker-addr", addrs.worker]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PAGEDSERVE_API_KEY", None)
-    # The key travels in the frontend's environment: a command line is world-readable in ps.
-    fe_env = dict(env, **({"PAGEDSERVE_API_KEY": sa.api_key} if sa.api_key else {}))
+    token = secrets.token_hex(16)
+    # The keys travel in the frontend's environment: a command line is world-readable in ps.
+    fe_env = dict(env, PAGEDSERVE_RUN_TOKEN=token, **({"PAGEDSERVE_API_KEY": " ".join(sa.api_keys)}
+                                                      if sa.api_keys else {}))
     procs: dict[str, subprocess.Popen[bytes]] = {}
     stopping = StopFlag()  # the first signal drains, a second hurries the drain
 
@@ -103,13 +126,15 @@ def main(argv: list[str]) -> int:
             procs[name] = start(name)
         addr = f"{sa.host}:{sa.grpc_port}"
         if not wait_healthy(addr, sa.start_timeout, lambda: not stopping and all(
-                pr.poll() is None for pr in procs.values())):
+                pr.poll() is None for pr in procs.values()), RUN_HEALTH_PREFIX + token, sa.tls_cert):
             if stopping:
                 return 0
+            if procs["frontend"].poll() == EXIT_PORT_IN_USE:
+                return 1  # the frontend lost a race for a port and said so in one line
             dead = [n for n, pr in procs.items() if pr.poll() is not None]
             print(f"pagedserve: failed to start ({', '.join(dead) or 'timeout'})", file=sys.stderr)
             return 1
-        scheme = "https" if read_env("TLS_CERT") else "http"
+        scheme = "https" if sa.tls_cert else "http"
         print(f"pagedserve: serving {sa.served_model_names[0]}: OpenAI API at {scheme}://{sa.host}:{sa.http_port}/v1, "
               f"gRPC on {addr} (pids {', '.join(f'{n}={pr.pid}' for n, pr in procs.items())})", flush=True)
         supervise(procs, start, lambda: bool(stopping))

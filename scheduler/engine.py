@@ -160,11 +160,15 @@ class EngineCore:
                                         cfg.enable_prefix_caching, cfg.kv_watermark))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            # No chunked prefill: the budget grows to the model's length (vLLM's default then).
+            max_num_batched_tokens=cfg.max_num_batched_tokens if cfg.enable_chunked_prefill else max(
+                cfg.max_num_batched_tokens, ready.model.max_model_len),
             block_size=ready.block_size,
             max_model_len=ready.model.max_model_len,
             eos_token_ids=ready.model.eos_token_ids,
             preemption_mode=cfg.preemption_mode,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            max_num_partial_prefills=cfg.max_num_partial_prefills,
         ), PoolSize(ready.num_usable_gpu_blocks, ready.num_cpu_blocks))
 
     def _worker_call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply:
