@@ -88,6 +88,7 @@ class EngineClient:
         self._link: asyncio.Task[None] | None = None
         self._monitor: Any = None
         self._frames = FrameCheck()
+        self.on_outputs: Callable[[list[fe.TokenDelta]], None] | None = None  # each step's batch (metrics)
 
     async def start(self, timeout_s: float) -> fe.EngineInfo:
         self._reader = asyncio.create_task(self._read_loop())
@@ -194,6 +195,8 @@ class EngineClient:
                 self._check_frames(msg)
             if isinstance(msg, fe.Outputs):
                 now = time.monotonic()
+                if self.on_outputs is not None:
+                    self.on_outputs(msg.deltas)
                 for d in msg.deltas:
                     routed = self._book.route(d)  # a resumed sample's delta, renamed to its request
                     if routed is not None and (q := self._streams.get(routed.request_id)) is not None:

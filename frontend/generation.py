@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.common.messages import frontend as fe
-from pagedserve.common.metrics import FrontendMetrics
+from pagedserve.common.metrics import FrontendMetrics, RequestTimes
 from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.engine_client import EngineClient, EngineUnavailable, Item
 from pagedserve.frontend.outputs import Chunk, Logprob, OutputState, merge_into
@@ -258,7 +258,7 @@ class RequestStream:
         self.outputs: dict[int, OutputState] = {}
         self.prompt_logprobs: list[Logprob] | None = None
         self.arrival = time.monotonic()
-        self.first_token_at: float | None = None
+        self.times = RequestTimes(self.arrival)  # for the per-request metrics at its end
         self._last_token_at: dict[int, float] = {}
         self._queued = False
         self._admitted = False
@@ -307,8 +307,11 @@ class RequestStream:
                 raise EngineError(d.error, d.error_kind)
             if d.prompt_logprobs and self.prompt_logprobs is None:
                 self.prompt_logprobs = list(d.prompt_logprobs)
-            if d.queue_time_s is not None and m:
-                m.queue_time.observe(d.queue_time_s)
+            if d.queue_time_s is not None:
+                self.times.queue_time_s, self.times.num_cached_tokens = d.queue_time_s, d.num_cached_tokens
+                if m:
+                    m.queue_time.observe(d.queue_time_s)
+            self.times.num_preemptions = max(self.times.num_preemptions, d.num_preemptions)
             st = self.outputs.get(d.index)
             if st is None:
                 p = self.req.prep
@@ -316,11 +319,8 @@ class RequestStream:
                                                          self.req.prompt_ids, p.stop, p.include_stop_str_in_output,
                                                          p.params.logprobs is not None)
             if d.token_ids and not st.finished:
-                if self.first_token_at is None:
-                    self.first_token_at = t
-                    if m:
-                        m.ttft.observe(t - self.arrival)
-                        m.prompt_tokens.inc(len(self.req.prompt_ids))
+                if self.times.on_tokens(t, d.index, len(d.token_ids), d.replace) and m:
+                    m.first_token(self.times, len(self.req.prompt_ids))
                 if m:
                     m.generation_tokens.inc(len(d.token_ids))
                     last = self._last_token_at.get(d.index)
@@ -335,9 +335,9 @@ class RequestStream:
         if sum(o.finished for o in self.outputs.values()) >= self.n:
             self.done = True
             if m:
-                m.e2e.observe(time.monotonic() - self.arrival)
-                m.request_success.labels(self.finish_reason or "stop").inc()
-                m.prompt_len.observe(len(self.req.prompt_ids))
+                m.finished(self.times, time.monotonic(), len(self.req.prompt_ids), self.n,
+                           self.req.prep.params.max_tokens, self.finish_reason or "stop",
+                           self.svc.info.model.max_model_len)
         return sorted(merged.values(), key=lambda c: c.index)
 
     async def collect(self) -> dict[int, Chunk]:

@@ -19,7 +19,7 @@ from pagedserve.common.env import env, env_int
 from pagedserve.common.config import (EXIT_PORT_IN_USE, RUN_HEALTH_PREFIX, add_address_args, add_engine_args,
                                        addresses_from_args, bind_error, check_addresses, config_from_args,
                                        shutdown_timeout_default)
-from pagedserve.common.default_model import DEFAULT_MODEL_ID, resolve_model
+from pagedserve.common.default_model import resolve_model
 from pagedserve.common.metrics import FrontendMetrics, add_metrics_arg, serve_metrics
 from pagedserve.frontend import http_gateway
 from pagedserve.frontend.auth import load_keys
@@ -70,7 +70,7 @@ async def run(args: argparse.Namespace) -> int:
     engine = EngineClient(addresses_from_args(args), resume_timeout_s=args.health_timeout)
     metrics = FrontendMetrics(lambda: engine.last_stats, lambda: engine.num_streams)
     served = args.served_model_name or ([cfg.model] if cfg.model else None)
-    vllm_metrics = add_vllm_metrics(metrics, engine, cfg, (served or [DEFAULT_MODEL_ID])[0])
+    vllm_metrics = add_vllm_metrics(metrics, engine, cfg, served)  # model_name: what /v1/models says
     svc = GenerationService(engine, tokenizer, fcfg, metrics)
     health_servicer = health.aio.HealthServicer()
 

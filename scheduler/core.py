@@ -286,6 +286,7 @@ class Scheduler(Intake, Preemption, Results):
                 self.waiting.remove(group)
                 if group.queue_time_s is None:
                     group.queue_time_s = max(0.0, time.time() - group.arrival_time)
+                    group.num_cached_tokens = group.seqs[0].num_computed_tokens  # Allocate set it to the hit
             for s in group.live_seqs:
                 s.status = SeqStatus.RUNNING
             self.running.append(group)

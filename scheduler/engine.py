@@ -196,7 +196,7 @@ class EngineCore:
         if self.recovering:  # the blockmgr may be gone: no block counts to report
             return fe.EngineStats(query_id, len(sch.running), sch.num_waiting, len(sch.swapped),
                                   0, 0, 0, 0, 0, 0, sch.num_preemptions, sch.num_steps, recovering=True,
-                                  step_running_s=running_s)
+                                  step_running_s=running_s, num_waiting_deferred=len(sch.grammars.waiting))
         if self._step_began is None:
             s = self._block_call(bm.StatsRequest())
         else:
@@ -205,7 +205,7 @@ class EngineCore:
         return fe.EngineStats(query_id, len(sch.running), sch.num_waiting, len(sch.swapped),
                               s.num_gpu_blocks, s.num_free_gpu_blocks, s.num_cpu_blocks, s.num_free_cpu_blocks,
                               s.prefix_cache_queries, s.prefix_cache_hits, sch.num_preemptions, sch.num_steps,
-                              step_running_s=running_s)
+                              step_running_s=running_s, num_waiting_deferred=len(sch.grammars.waiting))
 
     @property
     def in_step(self) -> bool:

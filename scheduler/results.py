@@ -98,8 +98,10 @@ class Results:
                 delta.prompt_logprobs, group.prompt_logprobs_sent = group.prompt_logprobs, True
             if not group.queue_time_sent:
                 delta.queue_time_s, group.queue_time_sent = group.queue_time_s, True
+                delta.num_cached_tokens = group.num_cached_tokens
             self._deltas.append(delta)
             if reason is not None:
+                delta.num_preemptions = group.num_preemptions
                 self._finish_seq(seq, reason)
                 if group.is_finished:
                     self.running.remove(group)
@@ -141,7 +143,7 @@ class Results:
                     else FinishReason.LENGTH
                 self._deltas.append(TokenDelta(group.request_id, i, hyp.token_ids, reason.value,
                                                live[0].num_prompt_tokens, replace=True,
-                                               cumulative_logprob=hyp.score))
+                                               cumulative_logprob=hyp.score, num_preemptions=group.num_preemptions))
             self.running.remove(group)
             self._forget(group)
 

@@ -74,6 +74,7 @@ class SequenceGroup:
     prompt_logprobs_sent: bool = False
     queue_time_s: float | None = None  # set at first admission
     queue_time_sent: bool = False
+    num_cached_tokens: int = 0  # prompt tokens the first admission found in the prefix cache
 
     def tokens_to_compute(self, seq: Sequence) -> int:
         """Tokens the sequence still has to compute before it can sample

@@ -73,6 +73,11 @@ class TokenDelta(msgspec.Struct, array_like=True):
     # On a request's first delta: seconds from arrival to its first scheduled step.
     queue_time_s: float | None = None
     error_kind: ErrorKind = ErrorKind.INTERNAL  # read only when ``error`` is set
+    # Per-request figures for the frontend's vllm:* histograms. With queue_time_s
+    # (the request's first delta): prompt tokens its first admission found in the
+    # prefix cache. On a finishing delta: times the request was preempted.
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
 
 
 class Outputs(msgspec.Struct, tag=60, array_like=True):
@@ -123,6 +128,9 @@ class EngineStats(msgspec.Struct, tag=62, array_like=True):
     # by the scheduler's link): the frontend finds a lost last frame by it.
     epoch: int = 0
     outputs_sent: int = 0
+    # Of num_waiting, those waiting for their grammar to compile, not for room
+    # (vLLM's "deferred" waiting reason; the rest wait for capacity).
+    num_waiting_deferred: int = 0
 
     @property
     def kv_usage(self) -> float:
