@@ -90,18 +90,23 @@ def _convert(src: Path, target: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    t0 = time.monotonic()
+
+    def progress(step: str) -> None:  # one line per stage: a quiet minute reads as a hang
+        print(f"pagedserve:   {step} ({time.monotonic() - t0:.0f} s so far)", file=sys.stderr, flush=True)
+
     print(
         f"pagedserve: converting the embedded SmolLM2-135M-Instruct ({src.name}) into {target} "
-        "(once; about 20-40 s)...",
+        "(once; about 30 s on an idle machine, up to 2 minutes on a busy one)...",
         file=sys.stderr,
         flush=True,
     )
-    t0 = time.monotonic()
     folder, name = str(src.parent), src.name
     tmp = Path(tempfile.mkdtemp(prefix=f".{CONVERTED_NAME}.", dir=target.parent))
     try:
         # transformers dequantizes the GGUF tensors on load but cannot save a
         # GGUF-quantized model, so rebuild a plain model from the config.
+        progress("1/4 reading and dequantizing the GGUF weights")
         gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         state = gguf_model.state_dict()
         del gguf_model
@@ -109,13 +114,16 @@ def _convert(src: Path, target: Path) -> None:
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.dtype = "float32"
+        progress("2/4 rebuilding a plain float32 model")
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         missing, unexpected = model.load_state_dict(state, strict=False)
         # lm_head is tied to the embedding, so it may be absent from the state dict.
         missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
         if missing or unexpected:
             raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+        progress("3/4 writing safetensors")
         model.save_pretrained(tmp, safe_serialization=True)
+        progress("4/4 converting the tokenizer (with its chat template)")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         tokenizer.save_pretrained(tmp)
         for f in tmp.iterdir():  # mkdtemp and safetensors create owner-only modes
