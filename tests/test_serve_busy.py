@@ -107,3 +107,19 @@ def test_serving_needs_our_frontends_run_token() -> None:
         assert wait_healthy(addr, 5.0, lambda: True, RUN_HEALTH_PREFIX + "ours")
     finally:
         server.stop(None)
+
+
+def test_ctrl_c_is_quiet(model: str) -> None:
+    """Ctrl-C after a constrained request (xgrammar loaded in the frontend and the worker): no
+    nanobind "leaked" report, no traceback, exit 0 (e2e_util.serve checks the exit and the leftovers)."""
+    with serve(model, "--kv-cache-memory", "4MiB") as s:
+        import json
+        import urllib.request
+
+        body = {"model": model, "prompt": "hi", "max_tokens": 4, "response_format": {"type": "json_object"}}
+        req = urllib.request.Request(s.http + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200
+    log = "".join(s.log)
+    assert "leaked" not in log and "Traceback" not in log, log[-3000:]
