@@ -72,7 +72,10 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 4096
     enable_chunked_prefill: bool = True  # off: a prompt is prefilled in one step or waits
-    max_num_partial_prefills: int | None = None  # sequences partly prefilled at once; None: no cap
+    # vLLM V0's flag, gone from 0.32; accepted for its command lines. Our scheduler never splits more
+    # than one prefill at a time (running sequences take the budget first; a split uses up the rest),
+    # so any N >= 1 holds already. None: not given.
+    max_num_partial_prefills: int | None = None
     max_model_len: int | None = None  # None: the model's own
     enable_prefix_caching: bool = True
     kv_watermark: float = DEFAULT_WATERMARK  # share of KV blocks kept free when admitting
@@ -262,7 +265,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         text="split a long prompt's prefill over steps of --max-num-batched-tokens; off: the step budget "
              "grows to the model's length and a prompt is prefilled whole")
     arg("--max-num-partial-prefills", env_name="MAX_NUM_PARTIAL_PREFILLS", default=None, type=int,
-        text="sequences whose prefill is split at the same time; none: no cap (vLLM 0.32's behaviour)")
+        text="prompts split over steps at once (vLLM V0's flag); any N >= 1 holds: at most one is split at a time")
     arg("--max-model-len", env_name="MAX_MODEL_LEN", default=None, type=int,
         text="prompt plus output tokens at most; none: the model's own")
     arg("--enable-prefix-caching", env_name="ENABLE_PREFIX_CACHING",

@@ -15,7 +15,6 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...]
     preemption_mode: str = "recompute"  # recompute | swap | auto
     enable_chunked_prefill: bool = True  # off: a prompt waits for a step its whole prefill fits in
-    max_num_partial_prefills: int | None = None  # prefills split at once; None: no cap
 
 
 @dataclass(frozen=True)

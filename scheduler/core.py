@@ -101,15 +101,12 @@ class Scheduler(Intake, Preemption, Results):
         if self.block_stats is not None:
             room = self.block_stats.num_admissible_gpu_blocks + freed
         max_len = self.cfg.max_model_len
-        partial = 0  # prefills this step leaves unfinished (--max-num-partial-prefills)
         for group in self.running:
             live = group.live_seqs
             if group.beam is not None and any(s.num_pending for s in live):
                 continue  # its next beams are chosen from the step in flight
             for seq in live:
-                want = group.tokens_to_compute(seq)
-                k = min(want, budget)
-                partial += want > 1 and k < want
+                k = min(group.tokens_to_compute(seq), budget)
                 if k <= 0 or (seq.num_pending and group.long_enough(seq, max_len)):
                     continue
                 budget -= k
@@ -130,12 +127,11 @@ class Scheduler(Intake, Preemption, Results):
                 width = group.batch_width
                 if budget <= 0 or num_seqs + width > self.cfg.max_num_seqs:
                     break
-                # A prompt that does not fit this step's budget is split (chunked prefill) unless
-                # splitting is off or capped; a step with nothing else in it still takes it.
+                # A prompt that does not fit what is left of this step's budget is split (chunked
+                # prefill) unless that is off; a step with nothing else in it still takes it.
                 split = sum(len(s.token_ids) - group.needs_fork for s in group.live_seqs) > budget
-                if split and budget < self.cfg.max_num_batched_tokens and not self._may_split(partial):
+                if split and budget < self.cfg.max_num_batched_tokens and not self.cfg.enable_chunked_prefill:
                     break
-                partial += split
                 allocs = []
                 need = 0
                 for seq in group.live_seqs:
@@ -157,10 +153,6 @@ class Scheduler(Intake, Preemption, Results):
         if not ops and not self.carry.drops and not plan.compile and not self.grammars.waiting:
             return None
         return plan
-
-    def _may_split(self, partial: int) -> bool:
-        cap = self.cfg.max_num_partial_prefills
-        return self.cfg.enable_chunked_prefill and (cap is None or partial < cap)
 
     @staticmethod
     def must_settle(plan: StepPlan, reply: bm.StepReply) -> bool:

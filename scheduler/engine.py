@@ -168,7 +168,6 @@ class EngineCore:
             eos_token_ids=ready.model.eos_token_ids,
             preemption_mode=cfg.preemption_mode,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
-            max_num_partial_prefills=cfg.max_num_partial_prefills,
         ), PoolSize(ready.num_usable_gpu_blocks, ready.num_cpu_blocks))
 
     def _worker_call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply:

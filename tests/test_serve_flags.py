@@ -302,3 +302,30 @@ def test_auto_tool_choice(srv: Server) -> None:
     status, body, _ = call(srv, "/v1/chat/completions", {**CHAT, "tools": tools, "tool_choice": "auto"})
     assert status == 200, body
     assert body["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls"), body
+
+
+def _prefill_chunks(enable_chunked_prefill: bool) -> list[dict[int, int]]:
+    """Tokens each step computes per sequence, for prompts of 100 and 30 tokens under a 64-token budget."""
+    from test_scheduler import add, make_engine
+
+    core, worker, _ = make_engine(64, budget=64)
+    if not enable_chunked_prefill:  # the same engine, the flag off (EngineConfig is frozen)
+        import dataclasses
+
+        from pagedserve.scheduler.engine import EngineCore
+
+        core = EngineCore(dataclasses.replace(core.cfg, enable_chunked_prefill=False), core.blockmgr, worker)
+    add(core, "a", list(range(1, 101)), 2)
+    add(core, "b", list(range(200, 230)), 2)
+    for _ in range(3):
+        core.step()
+    return [{s.seq_id: s.num_tokens for s in step.scheduled} for step in worker.steps]
+
+
+def test_chunked_prefill_on_and_off() -> None:
+    on = _prefill_chunks(True)
+    assert sorted(on[0].values()) == [64]  # a's first 64 tokens; b waits behind it
+    assert sorted(on[1].values()) == [28, 36]  # a's last 36, and b split into what is left
+    off = _prefill_chunks(False)  # the budget grows to the model's length: each prompt whole
+    assert sorted(off[0].values()) == [30, 100]
+    assert all(n == 1 for step in off[1:] for n in step.values())  # decodes only: nothing was split
