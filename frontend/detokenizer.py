@@ -12,14 +12,21 @@ _CONTEXT = 6  # prompt ids kept as left context, so a first token keeps its lead
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
+    """``skip_special_tokens`` and ``spaces_between_special_tokens`` as vLLM's
+    request fields (the second only changes slow tokenizers' output, as in HF)."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._ids = list(prompt_ids[-_CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)
+        self._kw = {"skip_special_tokens": skip_special_tokens, "clean_up_tokenization_spaces": False}
+        if not spaces_between_special_tokens:
+            self._kw["spaces_between_special_tokens"] = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return str(self._tok.decode(ids, **self._kw))
 
     def add(self, new_ids: list[int], final: bool = False) -> str:
         self._ids += new_ids

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedserve.common.messages import frontend as fe
@@ -26,6 +26,7 @@ from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.engine_client import EngineClient, EngineUnavailable, Item
 from pagedserve.frontend.outputs import Chunk, Logprob, OutputState, merge_into
 from pagedserve.frontend.prompt_bound import max_chars_per_token
+from pagedserve.frontend.prompt_options import InputOptions, clamp_max_tokens, truncation
 from pagedserve.frontend.validation import (
     Limits,
     Prepared,
@@ -177,23 +178,30 @@ class GenerationService:
         pool = self._big_pool if size > BIG_INPUT else self._pool
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-    async def prepare_async(self, request: pb.GenerateRequest, add_special_tokens: bool = True) -> PreparedRequest:
+    async def prepare_async(self, request: pb.GenerateRequest, add_special_tokens: bool = True,
+                            options: InputOptions | None = None) -> PreparedRequest:
         """``prepare`` on a tokenizer thread (size bounds are checked before tokenizing)."""
         return await self.off_loop(request.ByteSize(), self.prepare, request,  # type: ignore[no-any-return]
-                                   add_special_tokens)
+                                   add_special_tokens, options)
 
-    def prepare(self, request: pb.GenerateRequest, add_special_tokens: bool = True) -> PreparedRequest:
-        """Validates every field; raises ``ValidationError``."""
+    def prepare(self, request: pb.GenerateRequest, add_special_tokens: bool = True,
+                options: InputOptions | None = None) -> PreparedRequest:
+        """Validates every field; raises ``ValidationError``. ``options`` (HTTP) replaces
+        ``add_special_tokens`` and adds truncation and vLLM's max_tokens rule."""
+        opt = options or InputOptions(add_special_tokens=add_special_tokens)
         limits = self.limits
         check_request_size(request)
         check_request_id(request.request_id)
         check_cache_salt(request.cache_salt)
         check_prompt_text(request, limits)
+        truncate = truncation(opt, limits)
+        # A prompt that will be truncated may be longer than the model takes.
+        max_len = limits.max_model_len if truncate is None else None
         which = request.WhichOneof("input")
         if which == "prompt":
-            self._check_chars(request.prompt, limits, "prompt")
-            ids = self.tokenize(request.prompt, add_special_tokens, limits.max_model_len, "prompt")
-            check_prompt_ids(ids, limits, "prompt")
+            if truncate is None:
+                self._check_chars(request.prompt, limits, "prompt")
+            ids = self.tokenize(request.prompt, opt.add_special_tokens, max_len, "prompt")
         elif which == "messages":
             if not has_chat_template(self.tokenizer):
                 raise ValidationError("messages", "this model has no chat template; send a prompt")
@@ -202,11 +210,17 @@ class GenerationService:
             self._check_chars(text, limits, "messages")
             # The template already wrote the special tokens it wants.
             ids = self.tokenize(text, False, limits.max_model_len, "messages")
-            check_prompt_ids(ids, limits, "messages")
         else:
             ids = list(request.prompt_token_ids.ids)
-            check_prompt_ids(ids, limits, "prompt_token_ids")
+        if truncate is not None and len(ids) > truncate:
+            ids = (ids[len(ids) - truncate:] if truncate else []) if opt.truncate_left else ids[:truncate]
+        check_prompt_ids(ids, limits, which if which in ("prompt", "messages") else "prompt_token_ids")
+        if opt.clamp_max_tokens:
+            clamp_max_tokens(request.sampling_params, len(ids), limits, opt.default_max_tokens)
         prep = sampling_params(request.sampling_params, len(ids), limits)
+        if not (opt.skip_special_tokens and opt.spaces_between_special_tokens):
+            prep = replace(prep, skip_special_tokens=opt.skip_special_tokens,
+                           spaces_between_special_tokens=opt.spaces_between_special_tokens)
         # Prompt logprobs need every prompt position computed: the scheduler asks
         # the blockmgr to skip the prefix lookup for them (Allocate.skip_prefix_lookup).
         return PreparedRequest(request.request_id or uuid.uuid4().hex, ids, prep, request.cache_salt or None)
@@ -317,7 +331,8 @@ class RequestStream:
                 p = self.req.prep
                 st = self.outputs[d.index] = OutputState(d.index, self.svc.tokenizer if p.detokenize else None,
                                                          self.req.prompt_ids, p.stop, p.include_stop_str_in_output,
-                                                         p.params.logprobs is not None)
+                                                         p.params.logprobs is not None, p.skip_special_tokens,
+                                                         p.spaces_between_special_tokens)
             if d.token_ids and not st.finished:
                 if self.times.on_tokens(t, d.index, len(d.token_ids), d.replace) and m:
                     m.first_token(self.times, len(self.req.prompt_ids))

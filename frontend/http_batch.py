@@ -1,52 +1,48 @@
-"""``/v1/completions`` with a batch of prompts and/or ``echo``, as vLLM has them.
+"""``/v1/completions``: one prompt or a batch, and ``echo``, as vLLM 0.32's
+serving_completion answers them.
 
 Each prompt is its own engine request (validated and admitted before any is
 opened, so a bad prompt refuses the whole batch and starts nothing); choice
 ``i * n + j`` is output ``j`` of prompt ``i``, and usage is the batch's sum.
 ``echo`` puts the prompt before each output's text (on the output's first
 chunk when streaming); with ``logprobs`` it also prepends the prompt tokens'
-logprobs (the first one is null), computed as ``prompt_logprobs``.
+logprobs (the first one is null), computed as ``prompt_logprobs``; with
+``max_tokens`` 0 the answer is the prompt alone (one token is generated and
+dropped, as vLLM). A stream sends one chunk per choice and delta; with
+``stream_options.continuous_usage_stats`` each carries usage (the prompt's
+tokens, the choice's tokens so far), as vLLM's.
 """
 from __future__ import annotations
 
 import asyncio
-import inspect
-import json
+import uuid
 from typing import Any
 
 from aiohttp import web
 
-from pagedserve.common.messages.frontend import ErrorKind
+from pagedserve.frontend import error_table
 from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.http_fields import check_ids, is_token_id
 from pagedserve.frontend.generation import EngineError, RequestStream
+from pagedserve.frontend.http_response import completion_logprobs, event_stream, prompt_logprobs, sse, usage
 from pagedserve.frontend.http_shared import Ctx, GatewayApi
-from pagedserve.frontend.outputs import Chunk
+from pagedserve.frontend.openai_extras import Extras
+from pagedserve.frontend.outputs import Chunk, Logprob
+from pagedserve.frontend.prompt_options import InputOptions
 from pagedserve.frontend.validation import Limits
 from pagedserve.v1 import generation_pb2 as pb
 
 MAX_BATCH_PROMPTS = 64
 Prompt = str | list[int]
 
-# The engine's reason for failing a request -> HTTP status and OpenAI error type, as
-# frontend/server.py's GRPC_STATUS does for gRPC: a request the scheduler refuses is the
-# client's (400), one that can never fit the KV cache is RESOURCE_EXHAUSTED there (429 here).
-_ENGINE_STATUS: dict[ErrorKind, tuple[int, str]] = {
-    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
-    ErrorKind.KV_CACHE: (429, "rate_limit_error"),
-    ErrorKind.UNAVAILABLE: (503, "service_unavailable"),
-}
-
-
 def engine_api_error(e: EngineError) -> ApiError:
-    status, type_ = _ENGINE_STATUS.get(e.kind, (500, "server_error"))
-    return ApiError(status, str(e), type_, code=e.kind.name.lower())
+    """The engine's failure in the one error table (error_table), as gRPC gets it."""
+    return error_table.engine_api_error(e.kind, str(e))
 
 
 def engine_error_event(e: EngineError) -> dict[str, Any]:
     """The error as a server-sent event (the stream's status line went out long ago)."""
-    err = engine_api_error(e)
-    return {"error": {"message": str(err), "type": err.type, "param": None, "code": err.code}}
+    return error_table.sse_error_event(engine_api_error(e))
 
 
 def completion_prompts(prompt: Any, limits: Limits) -> list[Prompt]:
@@ -81,59 +77,66 @@ def set_prompt(req: pb.GenerateRequest, prompt: Prompt) -> None:
         req.prompt_token_ids.ids.extend(prompt)
 
 
-class _Echo:
-    """What echo prepends to one prompt's outputs."""
+class _Prompt:
+    """One prompt's stream and what echo prepends to its outputs."""
 
-    def __init__(self, gw: GatewayApi, prompt: Prompt, stream: RequestStream, with_logprobs: bool) -> None:
-        self.gw, self.stream, self.with_logprobs = gw, stream, with_logprobs
-        self.text = prompt if isinstance(prompt, str) else gw.svc.detokenize(list(prompt))
+    def __init__(self, gw: GatewayApi, prompt: Prompt, stream: RequestStream, x: Extras, echo_only: bool) -> None:
+        self.gw, self.stream, self.x, self.echo_only = gw, stream, x, echo_only
+        ids = stream.req.prompt_ids
+        if not x.echo or x.return_token_ids:  # vLLM echoes no text when it returns token ids
+            self.text = ""
+        else:
+            self.text = prompt if isinstance(prompt, str) else gw.svc.detokenize(list(ids))
 
-    def logprobs(self) -> dict[str, Any]:
-        ids = self.stream.req.prompt_ids
-        entries = self.stream.prompt_logprobs or []
-        tok = self.gw.token_str
-        return {"tokens": [tok(t) for t in ids], "token_logprobs": [None] + [e[0] for e in entries],
-                "top_logprobs": [None] + [{tok(t): v for t, v in e[1]} for e in entries], "text_offset": []}
+    def prompt_entries(self) -> list[tuple[int, Logprob | None]]:
+        ids, entries = self.stream.req.prompt_ids, self.stream.prompt_logprobs or []
+        return [(ids[0], None), *zip(ids[1:], entries)]
 
-    def apply(self, choice: dict[str, Any]) -> None:
-        choice["text"] = self.text + choice["text"]
-        if self.with_logprobs:
-            lp, mine = choice.get("logprobs"), self.logprobs()
-            if lp:
-                for k in ("tokens", "token_logprobs", "top_logprobs"):
-                    mine[k] += lp[k]
-            choice["logprobs"] = mine
+    def choice(self, c: Chunk, index: int, first: bool, offset: int = 0) -> tuple[dict[str, Any], int]:
+        """A choice for ``c`` (on an output's first chunk, with what echo adds); and the next text offset."""
+        x = self.x
+        echo = x.echo and first
+        text = ("" if self.echo_only else c.text) if not echo else self.text + ("" if self.echo_only else c.text)
+        ch: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}
+        if x.logprobs is not None:
+            out = [] if self.echo_only else list(c.logprobs)
+            entries = [*(self.prompt_entries() if echo else []), *out]
+            ch["logprobs"] = completion_logprobs(self.gw, entries, x.return_tokens_as_token_ids, offset)
+            lp = ch["logprobs"]
+            if lp["tokens"]:
+                offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        if first and (echo or x.return_token_ids):
+            ch["prompt_token_ids"] = self.stream.req.prompt_ids
+        if x.return_token_ids:
+            ch["token_ids"] = c.token_ids
+        return ch, offset
 
 
-async def run_batch(gw: GatewayApi, request: web.Request, body: dict[str, Any], prompts: list[Prompt],
-                    reqs: list[pb.GenerateRequest]) -> web.StreamResponse:
-    echo = bool(body.get("echo"))
-    echo_lp = echo and body.get("logprobs") is not None
-    if echo_lp:
+async def run_batch(gw: GatewayApi, request: web.Request, x: Extras, prompts: list[Prompt],
+                    reqs: list[pb.GenerateRequest], options: InputOptions, echo_only: bool = False) -> web.StreamResponse:
+    if x.echo and x.logprobs is not None:  # vLLM: echo with logprobs asks for the prompt's too
         for r in reqs:
             if not r.sampling_params.HasField("prompt_logprobs"):
                 r.sampling_params.prompt_logprobs = r.sampling_params.logprobs
-    prepared = []
-    for r in reqs:  # every prompt is valid before any starts
-        p = gw.prepare(r)
-        prepared.append(await p if inspect.isawaitable(p) else p)  # async once tokenizing leaves the loop
+    prepared = [await gw.prepare(r, options.add_special_tokens, options) for r in reqs]  # all valid before any starts
     streams: list[RequestStream] = []
     try:
         for p in prepared:
             streams.append(await gw.open_stream(request, p))
         n = prepared[0].prep.params.n
-        echoes = [_Echo(gw, p, s, echo_lp) if echo else None for p, s in zip(prompts, streams)]
-        ctx = Ctx(f"cmpl-{streams[0].request_id}", "text_completion", gw.model_name(), n)
-        if body.get("stream"):
-            return await _stream(gw, request, body, streams, echoes, ctx)
+        ps = [_Prompt(gw, p, s, x, echo_only) for p, s in zip(prompts, streams)]
+        ctx = Ctx("cmpl-" + (x.request_id or uuid.uuid4().hex), "text_completion", gw.model_name(), n, x)
+        if x.stream:
+            return await _stream(request, ps, ctx)
         results = await asyncio.gather(*(s.collect() for s in streams))
         choices = []
         for i, merged in enumerate(results):
+            plp = prompt_logprobs(gw, ps[i].stream) if x.prompt_logprobs is not None or x.echo else None
             for j in range(max(n, len(merged))):
-                ch = gw.completion_choice(merged.get(j, Chunk(j)), None)
-                ch["index"] = i * n + j
-                if echoes[i] is not None:
-                    echoes[i].apply(ch)
+                ch, _ = ps[i].choice(merged.get(j, Chunk(j)), i * n + j, True)
+                if plp is not None:
+                    ch["prompt_logprobs"] = plp
                 choices.append(ch)
         return web.json_response({"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model,
                                   "choices": choices, "usage": _usage(streams)})
@@ -144,18 +147,15 @@ async def run_batch(gw: GatewayApi, request: web.Request, body: dict[str, Any], 
             s.close()
 
 
-
-
 def _usage(streams: list[RequestStream]) -> dict[str, int]:
-    p = sum(len(s.req.prompt_ids) for s in streams)
-    c = sum(s.num_completion_tokens for s in streams)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return usage(sum(len(s.req.prompt_ids) for s in streams), sum(s.num_completion_tokens for s in streams))
 
 
-async def _stream(gw: GatewayApi, request: web.Request, body: dict[str, Any], streams: list[RequestStream],
-                  echoes: list[_Echo | None], ctx: Ctx) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+async def _stream(request: web.Request, ps: list[_Prompt], ctx: Ctx) -> web.StreamResponse:
+    resp = event_stream()
     await resp.prepare(request)
+    x = ctx.extras
+    assert x is not None
     queue: asyncio.Queue[tuple[int, list[Chunk] | EngineError | None]] = asyncio.Queue()
 
     async def pump(i: int, s: RequestStream) -> None:
@@ -167,39 +167,37 @@ async def _stream(gw: GatewayApi, request: web.Request, body: dict[str, Any], st
         finally:
             await queue.put((i, None))
 
-    async def send(payload: dict[str, Any]) -> None:
-        await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    echoed: set[tuple[int, int]] = set()
+    tasks = [asyncio.create_task(pump(i, p.stream)) for i, p in enumerate(ps)]
+    seen: set[int] = set()
+    offsets: dict[int, int] = {}
+    counts: dict[int, int] = {}
     try:
-        open_streams = len(streams)
+        open_streams = len(ps)
         while open_streams:
             i, item = await queue.get()
             if item is None:
                 open_streams -= 1
                 continue
             if isinstance(item, EngineError):
-                await send(engine_error_event(item))
+                await sse(resp, engine_error_event(item))
                 continue
-            choices = []
             for c in item:
-                ch = gw.completion_choice(c, None)
-                ch["index"] = i * ctx.n + c.index
-                echo = echoes[i]
-                if echo is not None and (i, c.index) not in echoed:
-                    echoed.add((i, c.index))
-                    echo.apply(ch)
-                choices.append(ch)
-            if choices:
-                await send({"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model,
-                            "choices": choices})
+                k = i * ctx.n + c.index
+                first = k not in seen
+                seen.add(k)
+                ch, offsets[k] = ps[i].choice(c, k, first, offsets.get(k, 0))
+                counts[k] = len(c.token_ids) if c.replace else counts.get(k, 0) + len(c.token_ids)
+                payload = {"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model,
+                           "choices": [ch]}
+                if x.continuous_usage:
+                    payload["usage"] = usage(len(ps[i].stream.req.prompt_ids), counts[k])
+                await sse(resp, payload)
     finally:
         for t in tasks:
             t.cancel()
-    if (body.get("stream_options") or {}).get("include_usage"):
-        await send({"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model, "choices": [],
-                    "usage": _usage(streams)})
+    if x.include_usage:
+        await sse(resp, {"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model,
+                         "choices": [], "usage": _usage([p.stream for p in ps])})
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

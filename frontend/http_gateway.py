@@ -4,40 +4,47 @@
 ``/v1/completions`` and ``/v1/chat/completions`` (the model's chat template)
 are translated into a ``GenerateRequest`` and take the same engine path as
 gRPC (validation, admission, stop strings, metrics); ``stream: true`` answers
-with server-sent events; batches and ``echo`` in ``http_batch``. Also
-``/v1/models``, ``/health`` (200 or 503), ``/metrics`` (with vLLM's names,
-``vllm_metrics``) and vLLM's ``/tokenize``, ``/detokenize``, ``/version``
-(``http_extras``); those route modules call the gateway through
-``http_shared.GatewayApi``, so they never import this one. A body field a
-route does not understand is a 400 naming it (``http_fields``). Bodies are
-decoded with bounded nesting and finite numbers only (``http_json``); slow,
-idle and surplus connections are closed (``http_conn``).
+with server-sent events; completions (batches, ``echo``) in ``http_batch``,
+response bodies in ``http_response``. vLLM 0.32's request extras are read by
+``openai_extras`` (a field outside vLLM's models is ignored, as vLLM does);
+the server's options (``OpenAIOptions``: response role, chat template,
+max_logprobs, generation-config defaults, request logging, CORS, root path)
+apply here. Also ``/v1/models``, ``/health`` (200 or 503), ``/metrics`` (with
+vLLM's names, ``vllm_metrics``) and vLLM's ``/tokenize``, ``/detokenize``,
+``/version`` (``http_extras``); those route modules call the gateway through
+``http_shared.GatewayApi``, so they never import this one. Bodies are decoded
+with bounded nesting and finite numbers only (``http_json``); slow, idle and
+surplus connections are closed (``http_conn``).
 Errors use OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
 
-import json
 import logging
 import ssl
 import uuid
+from dataclasses import replace
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
+from google.protobuf import text_format
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pagedserve.frontend import openai_structured, openai_tools
-from pagedserve.frontend.chat_template import has_chat_template, render_chat
+from pagedserve.common.bounds import MAX_SEED
+from pagedserve.frontend import http_batch, http_cors, http_extras, http_fields, http_json
+from pagedserve.frontend import openai_extras, openai_structured, openai_tools
 from pagedserve.frontend.auth import ApiKeys
+from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.engine_client import DuplicateRequestId
-from pagedserve.frontend import http_batch, http_extras, http_fields, http_json
-from pagedserve.frontend.error_table import rejected_api_error
+from pagedserve.frontend.error_table import RejectReason, rejected_api_error
 from pagedserve.frontend.errors import ApiError
-from pagedserve.frontend.http_conn import ClosingError, ConnectionGuard, HttpLimits, read_body, send_and_close
-from pagedserve.frontend.http_fields import CHAT_FIELDS, COMPLETION_FIELDS, check_fields
-from pagedserve.frontend.http_shared import Ctx
 from pagedserve.frontend.generation import EngineError, GenerationService, Rejected, RequestStream
+from pagedserve.frontend.http_conn import ClosingError, ConnectionGuard, HttpLimits, read_body, send_and_close
+from pagedserve.frontend.http_response import chat_logprobs, chat_response, chat_stream
+from pagedserve.frontend.http_shared import Ctx
+from pagedserve.frontend.openai_extras import Extras
 from pagedserve.frontend.openai_options import OpenAIOptions
 from pagedserve.frontend.outputs import Chunk
+from pagedserve.frontend.prompt_options import InputOptions
 from pagedserve.frontend.validation import DEFAULT_COMPLETION_MAX_TOKENS, MAX_REQUEST_BYTES, Limits, ValidationError
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -51,7 +58,6 @@ _SCALARS = {
     "top_k": "top_k", "min_p": "min_p", "min_tokens": "min_tokens", "repetition_penalty": "repetition_penalty",
     "ignore_eos": "ignore_eos", "include_stop_str_in_output": "include_stop_str_in_output",
     "beam_width": "beam_width", "length_penalty": "length_penalty", "early_stopping": "early_stopping",
-    "prompt_logprobs": "prompt_logprobs",
 }
 
 
@@ -84,6 +90,8 @@ class Gateway:
         self.before_metrics: Callable[[], Awaitable[None]] | None = None  # fresh engine gauges per scrape
         self.http_limits = HttpLimits.from_env()
         self.guard = ConnectionGuard(self.http_limits.max_connections)
+        self.root_path = http_cors.normalize_root(self.opts.root_path)
+        self.cors = http_cors.Cors(self.opts)
 
     # ------------------------------------------------------------ plumbing
     def app(self) -> web.Application:
@@ -94,12 +102,17 @@ class Gateway:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         http_extras.add_routes(self, app)
+        http_cors.add_prefixed_routes(app, self.root_path)
+        app.on_response_prepare.append(self.cors.on_prepare)
         return app
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
-            if request.path not in ("/health", "/metrics"):
+            preflight = self.cors.preflight(request)  # before auth, as vLLM's CORS and auth middlewares
+            if preflight is not None:
+                return preflight
+            if http_cors.route_path(request, self.root_path) not in ("/health", "/metrics"):
                 self._key_id(request)
             return await handler(request)
         except ClosingError as e:
@@ -161,14 +174,13 @@ class Gateway:
             {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "max_model_len": info.max_model_len}]})
 
     # ------------------------------------------------------------ translation
-    async def _sampling_off_loop(self, body: dict[str, Any], req: pb.GenerateRequest,
-                                 default_max_tokens: int | None, then: Callable[[], None] | None = None,
-                                 grammar: bool = False) -> None:
+    async def _sampling_off_loop(self, body: dict[str, Any], req: pb.GenerateRequest, max_tokens: int | None,
+                                 then: Callable[[], None] | None = None, grammar: bool = False) -> None:
         """``_sampling`` (and ``then``) on the tokenizer thread when the body asks
         for a grammar: its check parses the spec with xgrammar (the first one also
         imports it, 1-2 s), which must not stall the other streams on this loop."""
         def build() -> None:
-            self._sampling(body, req, default_max_tokens)
+            self._sampling(body, req, max_tokens)
             if then is not None:
                 then()
 
@@ -177,21 +189,23 @@ class Gateway:
         else:
             build()
 
-    def _sampling(self, body: dict[str, Any], req: pb.GenerateRequest, default_max_tokens: int | None) -> None:
+    def _sampling(self, body: dict[str, Any], req: pb.GenerateRequest, max_tokens: int | None) -> None:
         sp = req.sampling_params
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is None:
-            max_tokens = default_max_tokens
         if max_tokens is not None:
             _set(sp, "max_tokens", max_tokens, "max_tokens")
+        seed = body.get("seed")
+        if isinstance(seed, int) and not isinstance(seed, bool) and seed < 0:
+            # vLLM: -1 is no seed; it takes any int64, and a negative one maps onto our unsigned seeds.
+            body = {**body, "seed": None if seed == -1 else seed % (MAX_SEED + 1)}
         for key, name in _SCALARS.items():
             if body.get(key) is not None:
                 _set(sp, name, body[key], key)
+        limits = self._limits()
+        top_k = body.get("top_k")
+        if isinstance(top_k, int) and (top_k == -1 or top_k >= limits.vocab_size):
+            sp.top_k = 0  # vLLM's -1, and a k past the vocabulary: no top-k
         if body.get("use_beam_search") and not sp.beam_width:
             sp.beam_width = max(sp.n if sp.HasField("n") else 1, 2)
-        best_of = body.get("best_of")
-        if best_of is not None and best_of != (sp.n if sp.HasField("n") else 1):
-            raise ApiError(400, "best_of: only best_of == n is supported", param="best_of")
         stop = body.get("stop")
         if stop is not None:
             stops = [stop] if isinstance(stop, str) else stop
@@ -200,20 +214,39 @@ class Gateway:
             sp.stop.extend(stops)
         # Repeated and map fields cannot be assigned: extended once their ids are known good.
         if body.get("stop_token_ids") is not None:
-            sp.stop_token_ids.extend(http_fields.token_ids(body["stop_token_ids"], self._limits(), "stop_token_ids"))
+            sp.stop_token_ids.extend(http_fields.token_ids(body["stop_token_ids"], limits, "stop_token_ids"))
         if body.get("logit_bias") is not None:
-            sp.logit_bias.update(http_fields.logit_bias(body["logit_bias"], self._limits()))
+            sp.logit_bias.update(http_fields.logit_bias(body["logit_bias"], limits))
         if isinstance(body.get("cache_salt"), str):
             req.cache_salt = body["cache_salt"]
+        if not sp.beam_width:  # beam search returns n beams, not n samples
+            openai_extras.greedy_n_check(sp.n if sp.HasField("n") else 1,
+                                         sp.temperature if sp.HasField("temperature") else None)
         http_json.check_schema_texts(body)
         try:  # response_format, structured_outputs, guided_*: frontend/openai_structured.py
             openai_structured.apply_structured(body, sp)
         except ValidationError as e:
             raise ApiError(400, str(e), param=e.field) from None
 
-    async def prepare(self, req: pb.GenerateRequest, add_special_tokens: bool = True) -> Any:
-        try:
-            return await self.svc.prepare_async(req, add_special_tokens)  # tokenizes off the event loop
+    def _extras(self, request: web.Request, body: dict[str, Any], chat: bool) -> Extras:
+        x = openai_extras.parse(body, chat, self.opts, self._limits().vocab_size, request.headers.get("X-Request-Id"))
+        return x if x.request_id else replace(x, request_id=uuid.uuid4().hex)
+
+    def _options(self, x: Extras, default_max_tokens: int | None = None) -> InputOptions:
+        return InputOptions(add_special_tokens=x.add_special_tokens, truncate=x.truncate,
+                            truncate_left=x.truncate_left, clamp_max_tokens=True,
+                            default_max_tokens=default_max_tokens, skip_special_tokens=x.skip_special_tokens,
+                            spaces_between_special_tokens=x.spaces_between_special_tokens)
+
+    def _log(self, rid: str, reqs: list[pb.GenerateRequest]) -> None:
+        if self.opts.log_requests:  # ids and sampling parameters only: never a header (the API key)
+            params = text_format.MessageToString(reqs[0].sampling_params, as_one_line=True)
+            log.info("Received request %s: %d prompt(s), params: {%s}", rid, len(reqs), params)
+
+    async def prepare(self, req: pb.GenerateRequest, add_special_tokens: bool = True,
+                      options: InputOptions | None = None) -> Any:
+        try:  # tokenizes off the event loop
+            return await self.svc.prepare_async(req, add_special_tokens, options)
         except ValidationError as e:
             raise ApiError(400, str(e), param=_openai_param(e.field)) from None
 
@@ -221,7 +254,8 @@ class Gateway:
         try:
             return await self.svc.open(prepared, self._key_id(request))
         except Rejected as e:
-            raise rejected_api_error(e.reason, str(e)) from None
+            reason = e.reason if isinstance(e.reason, RejectReason) else RejectReason(e.reason)
+            raise rejected_api_error(reason, str(e)) from None
         except DuplicateRequestId:
             raise ApiError(409, "request id already running", code="duplicate") from None
 
@@ -231,48 +265,52 @@ class Gateway:
     # ------------------------------------------------------------ /v1/completions
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.json_body(request)
-        check_fields(body, COMPLETION_FIELDS)
-        if body.get("suffix"):
-            raise ApiError(400, "suffix: not supported", param="suffix")
+        x = self._extras(request, body, chat=False)
+        if body.get("suffix") is not None:  # vLLM: FIM models only
+            raise ApiError(400, "suffix: suffix is only supported for models with FIM completion rendering",
+                           param="suffix")
+        body = openai_extras.with_defaults(body, self.opts.default_sampling)
         prompts = http_batch.completion_prompts(body.get("prompt"), self._limits())
+        # vLLM's CompletionRequest: max_tokens 16 when absent or null; 0 with echo answers the prompt alone.
+        max_tokens = body.get("max_tokens")
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+        echo_only = x.echo and max_tokens == 0
         reqs = []
         for prompt in prompts:
             req = pb.GenerateRequest()
             http_batch.set_prompt(req, prompt)
-            await self._sampling_off_loop(body, req, DEFAULT_COMPLETION_MAX_TOKENS)
-            if body.get("logprobs") is not None:
-                _set(req.sampling_params, "logprobs", body["logprobs"], "logprobs")
+            await self._sampling_off_loop(body, req, 1 if echo_only else max_tokens)
+            if x.logprobs is not None:
+                req.sampling_params.logprobs = x.logprobs
+            if x.prompt_logprobs is not None:
+                req.sampling_params.prompt_logprobs = x.prompt_logprobs
             reqs.append(req)
-        if len(reqs) > 1 or body.get("echo"):
-            return await http_batch.run_batch(self, request, body, prompts, reqs)
-        prepared = await self.prepare(req)
-        stream = await self.open_stream(request, prepared)
-        ctx = Ctx("cmpl-" + uuid.uuid4().hex, "text_completion", self.model_name(), prepared.prep.params.n)
-        return await self._run(request, body, stream, ctx, self.completion_choice)
-
-    def completion_choice(self, c: Chunk, acc: dict[str, Any] | None) -> dict[str, Any]:
-        lp = None
-        if c.logprobs:
-            lp = {"tokens": [self.token_str(t) for t, _ in c.logprobs],
-                  "token_logprobs": [e[0] for _, e in c.logprobs],
-                  "top_logprobs": [{self.token_str(t): v for t, v in e[1]} for _, e in c.logprobs],
-                  "text_offset": []}
-        return {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        self._log(f"cmpl-{x.request_id}", reqs)
+        return await http_batch.run_batch(self, request, x, prompts, reqs, self._options(x), echo_only)
 
     # ------------------------------------------------------------ /v1/chat/completions
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self.json_body(request)
-        check_fields(body, CHAT_FIELDS)
+        x = self._extras(request, body, chat=True)
+        body = openai_extras.with_defaults(body, self.opts.default_sampling)
         try:  # messages (tool calls included), tools and tool_choice: frontend/openai_tools.py
             conv = openai_tools.chat_messages(body.get("messages"))
             tool_mode, tools, body = openai_tools.take_tools(body, self.opts)
         except ValidationError as e:
             raise ApiError(400, str(e), param=e.field) from None
         tok = self.svc.tokenizer
-        if not has_chat_template(tok):
+        template = x.chat_template or self.opts.chat_template
+        if not template and not has_chat_template(tok):
             raise ApiError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
-        req = pb.GenerateRequest(prompt=render_chat(tok, conv, tools))
+        try:
+            prompt = render_chat(tok, conv, tools, x.add_generation_prompt, template, x.template_kwargs)
+        except ValidationError as e:
+            raise ApiError(400, str(e), param=e.field) from None
+        # vLLM: the answer's role is the server's, or, continuing a message, that message's.
+        role = self.opts.response_role if x.add_generation_prompt else conv[-1]["role"]
+        echo_text = conv[-1]["content"] if x.echo and conv[-1]["role"] == role else ""
+        req = pb.GenerateRequest(prompt=prompt)
+
         def enforce_tools() -> None:
             if tool_mode is not None:
                 try:
@@ -280,88 +318,45 @@ class Gateway:
                 except ValidationError as e:
                     raise ApiError(400, str(e), param=e.field) from None
 
-        await self._sampling_off_loop(body, req, None, enforce_tools, grammar=tool_mode is not None)
-        if body.get("logprobs"):
-            _set(req.sampling_params, "logprobs", body.get("top_logprobs") or 0, "top_logprobs")
-        # The template already wrote the special tokens it wants.
-        prepared = await self.prepare(req, add_special_tokens=False)
+        max_tokens = body.get("max_completion_tokens")
+        max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+        await self._sampling_off_loop(body, req, max_tokens, enforce_tools, grammar=tool_mode is not None)
+        sp = req.sampling_params
+        if x.logprobs is not None:
+            sp.logprobs = x.logprobs
+        if x.prompt_logprobs is not None:
+            sp.prompt_logprobs = x.prompt_logprobs
+        elif x.echo:  # vLLM: echo asks for the prompt's logprobs, top_logprobs of them
+            sp.prompt_logprobs = x.logprobs or 0
+        self._log(f"chatcmpl-{x.request_id}", [req])
+        prepared = await self.prepare(req, options=self._options(x, self.opts.default_sampling.get("max_tokens")))
         stream = await self.open_stream(request, prepared)
-        ctx = Ctx("chatcmpl-" + uuid.uuid4().hex, "chat.completion", self.model_name(), prepared.prep.params.n)
-        choice = self._chat_choice if tool_mode is None else openai_tools.choice_formatter(tool_mode, self._chat_logprobs)
-        return await self._run(request, body, stream, ctx, choice)
+        ctx = Ctx(f"chatcmpl-{x.request_id}", "chat.completion", self.model_name(), prepared.prep.params.n, x,
+                  role, echo_text, prompt)
+        as_id = x.return_tokens_as_token_ids
 
-    def _chat_logprobs(self, c: Chunk) -> dict[str, Any] | None:
-        if not c.logprobs:
-            return None
+        def logprobs(c: Chunk) -> Any:
+            return chat_logprobs(self, c, as_id)
 
-        def entry(t: int, v: float) -> dict[str, Any]:
-            s = self.token_str(t)
-            return {"token": s, "logprob": v, "bytes": list(s.encode())}
-
-        return {"content": [{**entry(t, e[0]), "top_logprobs": [entry(a, b) for a, b in e[1]]}
-                            for t, e in c.logprobs]}
-
-    def _chat_choice(self, c: Chunk, acc: dict[str, Any] | None) -> dict[str, Any]:
-        if acc is None:  # a non-streaming choice
-            return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(c), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
-        delta: dict[str, Any] = {}
-        if not acc.get("role_sent"):
-            acc["role_sent"] = True
-            delta["role"] = "assistant"
-        if c.text:
-            delta["content"] = c.text
-        elif "role" in delta:
-            delta["content"] = ""
-        return {"index": c.index, "delta": delta, "logprobs": self._chat_logprobs(c),
-                "finish_reason": c.finish_reason}
-
-    # ------------------------------------------------------------ shared
-    async def _run(self, request: web.Request, body: dict[str, Any], stream: RequestStream, ctx: Ctx,
-                   choice: Callable[[Chunk, dict[str, Any] | None], dict[str, Any]]) -> web.StreamResponse:
+        choice = self._chat_choice(as_id) if tool_mode is None else openai_tools.choice_formatter(tool_mode, logprobs)
         try:
-            if body.get("stream"):
-                return await self._stream(request, body, stream, ctx, choice)
-            merged = await stream.collect()
-            choices = [choice(merged.get(i, Chunk(i)), None) for i in range(max(ctx.n, len(merged)))]
-            return web.json_response({"id": ctx.id, "object": ctx.object, "created": ctx.created,
-                                      "model": ctx.model, "choices": choices, "usage": _usage(stream)})
+            if x.stream:
+                return await chat_stream(request, stream, ctx, choice, http_batch.engine_error_event)
+            return web.json_response(chat_response(self, ctx, stream, await stream.collect(), choice))
         except EngineError as e:
             raise http_batch.engine_api_error(e) from None
         finally:
             stream.close()
 
-    async def _stream(self, request: web.Request, body: dict[str, Any], stream: RequestStream, ctx: Ctx,
-                      choice: Callable[[Chunk, dict[str, Any] | None], dict[str, Any]]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        obj = ctx.object + ".chunk" if ctx.object == "chat.completion" else ctx.object
-        accs: dict[int, dict[str, Any]] = {}
+    def _chat_choice(self, as_id: bool) -> Callable[[Chunk, dict[str, Any] | None], dict[str, Any]]:
+        def build(c: Chunk, acc: dict[str, Any] | None) -> dict[str, Any]:
+            lp = chat_logprobs(self, c, as_id)
+            if acc is None:  # a non-streaming choice (the role is the response's: http_response)
+                return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            return {"index": c.index, "delta": {"content": c.text}, "logprobs": lp, "finish_reason": c.finish_reason}
 
-        async def send(payload: dict[str, Any]) -> None:
-            await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-        try:
-            while (chunks := await stream.next()) is not None:
-                # a None choice: nothing to send yet (a tool-call parser holds text back)
-                choices = [x for c in chunks if (x := choice(c, accs.setdefault(c.index, {}))) is not None]
-                if choices:
-                    await send({"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model,
-                                "choices": choices})
-        except EngineError as e:
-            await send(http_batch.engine_error_event(e))
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await send({"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model, "choices": [],
-                        "usage": _usage(stream)})
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-
-def _usage(stream: RequestStream) -> dict[str, int]:
-    p, c = len(stream.req.prompt_ids), stream.num_completion_tokens
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return build
 
 
 async def start(gateway: Gateway, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> web.AppRunner:

@@ -101,11 +101,14 @@ class OutputState:
     ``detokenize`` is false) only token ids are released, with no text."""
 
     def __init__(self, index: int, tokenizer: Any, prompt_ids: list[int], stops: tuple[str, ...],
-                 include_stop: bool, want_logprobs: bool) -> None:
+                 include_stop: bool, want_logprobs: bool, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.index = index
         self._tok = tokenizer
         self._prompt_ids = prompt_ids
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
+        self._detok_kw = {"skip_special_tokens": skip_special_tokens,
+                          "spaces_between_special_tokens": spaces_between_special_tokens}
+        self._detok = self._detokenizer() if tokenizer is not None else None
         self._stops = stops
         self._stop = StopChecker(stops) if stops else None
         self._include_stop = include_stop
@@ -120,6 +123,9 @@ class OutputState:
         self.cumulative_logprob = 0.0
         self.finished = False
         self.stopped_by_string = False
+
+    def _detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._tok, self._prompt_ids, **self._detok_kw)
 
     def _release(self, chunk: Chunk, upto_chars: int | None) -> None:
         while self._pending and (upto_chars is None or (self._pending[0][2] is not None and
@@ -189,14 +195,14 @@ class OutputState:
         """A beam (or any output) sent whole: replaces what was sent before."""
         ids = list(d.token_ids)
         lps = list(d.logprobs) if len(d.logprobs) == len(ids) else []
-        text = "" if self._tok is None else IncrementalDetokenizer(self._tok, self._prompt_ids).add(ids, final=True)
+        text = "" if self._tok is None else self._detokenizer().add(ids, final=True)
         chunk = Chunk(self.index, replace=True, finish_reason=d.finish_reason,
                       cumulative_logprob=d.cumulative_logprob)
         hit = first_stop(text, self._stops) if self._stops else None
         if hit is not None:
             end = hit[0] + (len(hit[1]) if self._include_stop else 0)
             # Keep the tokens up to the one whose text completes the stop string.
-            detok = IncrementalDetokenizer(self._tok, self._prompt_ids)
+            detok = self._detokenizer()
             n, chars = 0, 0
             while n < len(ids) and chars < hit[0] + len(hit[1]):
                 chars += len(detok.add([ids[n]], final=n == len(ids) - 1))

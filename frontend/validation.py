@@ -125,6 +125,8 @@ class Prepared:
     stop: tuple[str, ...]
     include_stop_str_in_output: bool
     detokenize: bool = True  # false: ids only, no text (vLLM's SamplingParams.detokenize)
+    skip_special_tokens: bool = True  # the text leaves special tokens out (vLLM's default)
+    spaces_between_special_tokens: bool = True
 
 
 def sampling_params(sp: pb.SamplingParams, prompt_len: int, limits: Limits) -> Prepared:

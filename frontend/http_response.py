@@ -1,0 +1,172 @@
+"""The OpenAI response bodies, with vLLM 0.32's extras: logprobs (tokens as
+text or ``token_id:N``), ``prompt_logprobs``, ``token_ids`` /
+``prompt_token_ids`` (``return_token_ids``), usage (and vLLM's
+``stream_options.continuous_usage_stats``: usage in every chunk), and the chat
+route's stream (a role chunk per choice first, then an ``echo`` chunk, then
+one chunk per choice and delta, as vLLM's serving_chat emits them)."""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from aiohttp import web
+
+from pagedserve.frontend.generation import EngineError, RequestStream
+from pagedserve.frontend.http_shared import Ctx, GatewayApi
+from pagedserve.frontend.outputs import Chunk, Logprob
+
+MIN_LOGPROB = -9999.0  # vLLM writes -inf as this (JSON has no infinity)
+Choice = Callable[[Chunk, dict[str, Any] | None], Any]  # a dict, or None: nothing to send yet
+
+
+def _lp(v: float) -> float:
+    return max(v, MIN_LOGPROB)
+
+
+def token_text(gw: GatewayApi, tok: int, as_id: bool) -> str:
+    return f"token_id:{tok}" if as_id else gw.token_str(tok)
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+
+def completion_logprobs(gw: GatewayApi, entries: list[tuple[int, Logprob | None]], as_id: bool,
+                        offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy logprobs; an entry without a logprob (the first prompt token) is null.
+    ``text_offset`` runs over the token strings from ``offset``, as vLLM's."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for tok, e in entries:
+        s = token_text(gw, tok, as_id)
+        offsets.append(offset)
+        offset += len(s)
+        tokens.append(s)
+        lps.append(None if e is None else _lp(e[0]))
+        tops.append(None if e is None else {token_text(gw, t, as_id): _lp(v) for t, v in e[1]})
+    return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens, "top_logprobs": tops}
+
+
+def chat_logprobs(gw: GatewayApi, c: Chunk, as_id: bool) -> dict[str, Any] | None:
+    if not c.logprobs:
+        return None
+
+    def entry(t: int, v: float) -> dict[str, Any]:
+        s = token_text(gw, t, as_id)
+        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8", errors="replace"))}
+
+    content = []
+    for t, e in c.logprobs:
+        main = entry(t, e[0])
+        main["bytes"] = list(gw.token_str(t).encode("utf-8", errors="replace"))  # the real token's, as vLLM
+        content.append({**main, "top_logprobs": [entry(a, b) for a, b in e[1]]})
+    return {"content": content}
+
+
+def prompt_logprobs(gw: GatewayApi, stream: RequestStream) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: null for the first token, then {id: {logprob, rank, decoded_token}}
+    for the prompt token and the top ones (rank: the place among the top ones; the prompt token's
+    is null when it is not among them)."""
+    if stream.req.prep.params.prompt_logprobs is None:
+        return None
+    ids, entries = stream.req.prompt_ids, stream.prompt_logprobs or []
+    out: list[dict[str, Any] | None] = [None]
+    for tok, (lp, top) in zip(ids[1:], entries):
+        ranks = {t: r for r, (t, _) in enumerate(top, 1)}
+        d = {str(tok): {"logprob": _lp(lp), "rank": ranks.get(tok), "decoded_token": gw.token_str(tok)}}
+        for t, v in top:
+            d.setdefault(str(t), {"logprob": _lp(v), "rank": ranks[t], "decoded_token": gw.token_str(t)})
+        out.append(d)
+    return out
+
+
+async def sse(resp: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+def event_stream() -> web.StreamResponse:
+    return web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+
+
+# ------------------------------------------------------------------ chat
+def chat_response(gw: GatewayApi, ctx: Ctx, stream: RequestStream, merged: dict[int, Chunk],
+                  choice: Choice) -> dict[str, Any]:
+    x = ctx.extras
+    choices = []
+    for i in range(max(ctx.n, len(merged))):
+        c = merged.get(i, Chunk(i))
+        ch = choice(c, None)
+        msg = ch.get("message")
+        if isinstance(msg, dict):
+            msg["role"] = ctx.role
+            if ctx.echo_text and x is not None and x.echo:
+                msg["content"] = ctx.echo_text + (msg.get("content") or "")
+        if x is not None and x.return_token_ids:
+            ch["token_ids"] = c.token_ids
+        choices.append(ch)
+    out = {"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model, "choices": choices,
+           "usage": usage(len(stream.req.prompt_ids), stream.num_completion_tokens)}
+    if x is not None:
+        if x.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs(gw, stream)
+        if x.return_token_ids:
+            out["prompt_token_ids"] = stream.req.prompt_ids
+        if x.return_prompt_text:
+            out["prompt_text"] = ctx.prompt_text
+    return out
+
+
+async def chat_stream(request: web.Request, stream: RequestStream, ctx: Ctx, choice: Choice,
+                      engine_error_event: Callable[[EngineError], dict[str, Any]]) -> web.StreamResponse:
+    resp = event_stream()
+    await resp.prepare(request)
+    x = ctx.extras
+    obj = "chat.completion.chunk"
+    n_prompt = len(stream.req.prompt_ids)
+    accs: dict[int, dict[str, Any]] = {}
+    counts = [0] * ctx.n
+
+    def chunk(choices: list[dict[str, Any]], completion: int | None = None, **top: Any) -> dict[str, Any]:
+        out = {"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model, "choices": choices, **top}
+        if x is not None and x.continuous_usage and completion is not None:
+            out["usage"] = usage(n_prompt, completion)
+        return out
+
+    try:
+        first = True
+        while (chunks := await stream.next()) is not None:
+            if first:  # vLLM: the role alone first, for every choice, then the echoed message
+                first = False
+                top: dict[str, Any] = {}
+                if x is not None and x.return_token_ids:
+                    top["prompt_token_ids"] = stream.req.prompt_ids
+                if x is not None and x.return_prompt_text:
+                    top["prompt_text"] = ctx.prompt_text
+                for i in range(ctx.n):
+                    await sse(resp, chunk([{"index": i, "delta": {"role": ctx.role, "content": ""},
+                                            "logprobs": None, "finish_reason": None}], 0, **top))
+                if x is not None and x.echo and ctx.echo_text:
+                    for i in range(ctx.n):
+                        await sse(resp, chunk([{"index": i, "delta": {"content": ctx.echo_text},
+                                                "logprobs": None, "finish_reason": None}], 0))
+            for c in chunks:
+                if c.index < len(counts):
+                    counts[c.index] = len(c.token_ids) if c.replace else counts[c.index] + len(c.token_ids)
+                ch = choice(c, accs.setdefault(c.index, {}))
+                if ch is None:  # nothing to send yet (a tool-call parser holds text back)
+                    continue
+                delta = ch.get("delta")
+                if isinstance(delta, dict):
+                    delta.pop("role", None)  # sent in the role chunk
+                if x is not None and x.return_token_ids:
+                    ch["token_ids"] = c.token_ids
+                if c.finish_reason is not None:
+                    ch.setdefault("stop_reason", c.stop_reason)
+                await sse(resp, chunk([ch], counts[c.index] if c.index < len(counts) else None))
+    except EngineError as e:
+        await sse(resp, engine_error_event(e))
+    if x is not None and x.include_usage:
+        await sse(resp, {"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model, "choices": [],
+                         "usage": usage(n_prompt, stream.num_completion_tokens)})
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp

@@ -1,0 +1,279 @@
+"""vLLM 0.32's request fields on ``/v1/completions`` and ``/v1/chat/completions``
+(``CompletionRequest`` / ``ChatCompletionRequest`` in vllm/entrypoints/openai),
+read with vLLM's meaning and refused where vLLM refuses (400, OpenAI shape).
+
+A field outside vLLM's models is ignored and logged at debug level, as vLLM's
+``OpenAIBaseModel`` (``extra="allow"``) does. A vLLM field we cannot honour
+without engine support (``allowed_token_ids``, ``bad_words``,
+``logprob_token_ids``, ``prompt_embeds``, ``repetition_detection``) is a 400
+naming it rather than an answer that silently differs. Sampling fields proper
+(``temperature``, ``top_k``, ...) are read by the gateway; their vLLM-only
+bounds are checked here.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.frontend.errors import ApiError
+from pagedserve.frontend.openai_options import OpenAIOptions
+
+log = logging.getLogger("pagedserve.frontend")
+
+_COMMON = frozenset({
+    "add_special_tokens", "allowed_token_ids", "bad_words", "cache_salt", "ec_transfer_params", "echo",
+    "frequency_penalty", "ignore_eos", "include_stop_str_in_output", "kv_transfer_params", "length_penalty",
+    "logit_bias", "logprob_token_ids", "logprobs", "max_tokens", "min_p", "min_tokens", "mm_payload", "model", "n",
+    "presence_penalty", "priority", "prompt_logprobs", "repetition_detection", "repetition_penalty", "request_id",
+    "response_format", "return_mm_kwargs", "return_token_ids", "return_token_offsets", "return_tokens_as_token_ids",
+    "routed_experts_prompt_start", "seed", "session_id", "skip_special_tokens", "spaces_between_special_tokens",
+    "stop", "stop_token_ids", "stream", "stream_interval", "stream_options", "structured_outputs", "temperature",
+    "thinking_token_budget", "top_k", "top_p", "truncate_prompt_tokens", "truncation_side", "use_beam_search",
+    "user", "vllm_xargs", "watermarking"})
+VLLM_COMPLETION_FIELDS = _COMMON | {"prompt", "prompt_embeds", "suffix"}
+VLLM_CHAT_FIELDS = _COMMON | {
+    "add_generation_prompt", "chat_template", "chat_template_kwargs", "continue_final_message", "documents",
+    "include_reasoning", "max_completion_tokens", "media_io_kwargs", "messages", "mm_processor_kwargs",
+    "parallel_tool_calls", "reasoning_effort", "return_prompt_text", "tool_choice", "tools", "top_logprobs"}
+# Not vLLM's, given a meaning here (docs/api.md): our beam search knobs, and the structured
+# output code's guided_* (vLLM 0.32 ignores those; our structured-output code honours them).
+OURS = frozenset({"beam_width", "early_stopping", "guided_json", "guided_regex", "guided_choice",
+                  "guided_grammar", "guided_decoding_backend"})
+# vLLM fields that need engine support we lack: refused unless at their default.
+_NEEDS_ENGINE = {"allowed_token_ids": "restricting sampling to given token ids",
+                 "bad_words": "banning words", "logprob_token_ids": "logprobs of chosen token ids",
+                 "prompt_embeds": "prompt embeddings", "repetition_detection": "repetition detection"}
+_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_INT64 = (-(2**63), 2**63 - 1)
+MAX_VLLM_TEMPERATURE = 2.0  # vLLM's SamplingParams bound
+MAX_CACHE_SALT = 128  # vLLM's, with its forbidden characters
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
+_RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})  # vLLM refuses these in chat_template_kwargs
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(key, "must be true or false")
+    return v
+
+
+def _int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(key, "must be an integer")
+    if not lo <= v <= hi:
+        raise _bad(key, f"must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _dict(body: dict[str, Any], key: str) -> dict[str, Any] | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, dict):
+        raise _bad(key, "must be an object")
+    return v
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What a request's vLLM extras ask of the gateway (the defaults are vLLM's)."""
+
+    chat: bool
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False  # usage in every chunk (vLLM: only with include_usage)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    add_special_tokens: bool = True
+    truncate: int | None = None  # truncate_prompt_tokens (-1: max_model_len - 1)
+    truncate_left: bool = True  # vLLM's generation tokenizers truncate on the left (keep the last tokens)
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    return_prompt_text: bool = False
+    echo: bool = False
+    request_id: str | None = None
+    priority: int = 0  # accepted; there is no priority scheduling (first come, first served)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    logprobs: int | None = None  # completions: logprobs; chat: top_logprobs when logprobs is true
+    prompt_logprobs: int | None = None
+
+
+def _unknown(body: dict[str, Any], known: frozenset[str]) -> None:
+    extra = sorted(k for k in body if k not in known and k not in OURS)
+    if extra:  # as vLLM's OpenAIBaseModel: accepted, ignored, logged
+        log.debug("The following fields were present in the request but ignored: %s", extra[:32])
+
+
+def _refuse_engine_only(body: dict[str, Any]) -> None:
+    for key, what in _NEEDS_ENGINE.items():
+        v = body.get(key)
+        if v is not None and v != [] and v != {}:
+            raise ApiError(400, f"{key}: {what} is not supported by pagedserve", param=key, code="unsupported_field")
+
+
+def _stream_usage(body: dict[str, Any], stream: bool) -> tuple[bool, bool]:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False, False
+    if not isinstance(opts, dict):
+        raise _bad("stream_options", "must be an object")
+    if opts and not stream:
+        raise _bad("stream_options", "Stream options can only be defined when `stream=True`.")
+    include = _bool(opts, "include_usage", False)
+    continuous = _bool(opts, "continuous_usage_stats", False)
+    return include, include and continuous
+
+
+def _logprob_count(body: dict[str, Any], key: str, opts: OpenAIOptions, vocab_size: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(key, "must be an integer")
+    if v < 0 and v != -1:
+        raise _bad(key, f"must be a positive value or -1, got {v}")
+    asked = vocab_size if v == -1 else v
+    if asked > opts.max_logprobs:
+        raise _bad(key, f"Requested {key} of {asked}, which is greater than max allowed: {opts.max_logprobs}")
+    return asked
+
+
+def check_sampling(body: dict[str, Any]) -> None:
+    """vLLM's own bounds on the sampling fields (beyond those validation shares with gRPC)."""
+    t = body.get("temperature")
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > MAX_VLLM_TEMPERATURE:
+        raise _bad("temperature", f"must be in [0, {MAX_VLLM_TEMPERATURE}], got {t}")
+    top_k = body.get("top_k")
+    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k < -1:
+        raise _bad("top_k", f"must be -1 (disable), or at least 1, got {top_k}")
+    _int(body, "seed", *_INT64)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT
+                             or any(c in _SALT_FORBIDDEN for c in salt)):
+        raise _bad("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT} characters "
+                                 "without @ / \\ or NUL")
+    if body.get("use_beam_search") and body.get("stream") and not body.get("messages"):
+        raise _bad("use_beam_search", "Streaming is not currently supported with beam search")
+
+
+def greedy_n_check(n: int, temperature: float | None) -> None:
+    """vLLM refuses several samples of a greedy (temperature 0) request: they would be equal."""
+    if n > 1 and temperature is not None and temperature < 1e-5:
+        raise _bad("n", f"n must be 1 when using greedy sampling, got {n}.")
+
+
+def _template(body: dict[str, Any], opts: OpenAIOptions) -> tuple[str | None, dict[str, Any]]:
+    template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise _bad("chat_template", "must be a string")
+    kwargs = _dict(body, "chat_template_kwargs") or {}
+    if (template is not None or kwargs.get("chat_template") is not None) and not opts.trust_request_chat_template:
+        raise _bad("chat_template", "Chat template is passed with request, but --trust-request-chat-template "
+                                    "is not set. Refused request with untrusted chat template.")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise _bad("chat_template_kwargs", f"Found unexpected chat template kwargs from request: {reserved}")
+    docs = body.get("documents")
+    if docs is not None and (not isinstance(docs, list) or not all(
+            isinstance(d, dict) and all(isinstance(v, str) for v in d.values()) for d in docs)):
+        raise _bad("documents", "must be a list of objects of strings")
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in _REASONING_EFFORTS:
+        raise _bad("reasoning_effort", f"must be one of {', '.join(_REASONING_EFFORTS)}")
+    # vLLM's merge: the request's own fields (when set) override chat_template_kwargs.
+    merged = dict(kwargs)
+    for key in ("add_generation_prompt", "continue_final_message"):
+        if body.get(key) is not None:
+            merged[key] = body[key]
+    if docs is not None:
+        merged["documents"] = docs
+    if effort is not None:
+        merged["reasoning_effort"] = effort
+        merged.setdefault("enable_thinking", effort != "none")
+    return template, merged
+
+
+def parse(body: dict[str, Any], chat: bool, opts: OpenAIOptions, vocab_size: int,
+          header_request_id: str | None = None) -> Extras:
+    """Reads and checks every vLLM extra of ``body`` (raises ApiError 400)."""
+    _unknown(body, VLLM_CHAT_FIELDS if chat else VLLM_COMPLETION_FIELDS)
+    _refuse_engine_only(body)
+    check_sampling(body)
+    stream = _bool(body, "stream", False)
+    include_usage, continuous = _stream_usage(body, stream)
+    for key in ("kv_transfer_params", "ec_transfer_params", "vllm_xargs", "media_io_kwargs", "mm_processor_kwargs"):
+        _dict(body, key)  # accepted, no effect: no KV transfer, extensions or media here
+    for key in ("watermarking", "include_reasoning", "return_token_offsets", "return_mm_kwargs"):
+        _bool(body, key, False)
+    _int(body, "stream_interval", 1, _INT64[1])
+    _int(body, "routed_experts_prompt_start", 0, _INT64[1])
+    _int(body, "thinking_token_budget", -1, _INT64[1])
+    if body.get("mm_payload") not in (None, "tensors", "none"):
+        raise _bad("mm_payload", "must be 'tensors' or 'none'")
+    if body.get("session_id") is not None and not isinstance(body["session_id"], str):
+        raise _bad("session_id", "must be a string")
+    rid = body.get("request_id")
+    if rid is not None and not isinstance(rid, str):
+        raise _bad("request_id", "must be a string")
+    side = body.get("truncation_side")
+    if side not in (None, "left", "right"):
+        raise _bad("truncation_side", "`truncation_side` must be either 'left' or 'right'.")
+    truncate = _int(body, "truncate_prompt_tokens", -1, _INT64[1])
+    priority = _int(body, "priority", *_INT64) or 0
+    prompt_logprobs = _logprob_count(body, "prompt_logprobs", opts, vocab_size)
+    if prompt_logprobs is not None and stream and body["prompt_logprobs"] != 0:
+        raise _bad("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
+    common: dict[str, Any] = dict(
+        chat=chat, stream=stream, include_usage=include_usage, continuous_usage=continuous,
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        spaces_between_special_tokens=_bool(body, "spaces_between_special_tokens", True),
+        add_special_tokens=_bool(body, "add_special_tokens", not chat),
+        truncate=truncate, truncate_left=side != "right",
+        return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False),
+        return_token_ids=_bool(body, "return_token_ids", False),
+        echo=_bool(body, "echo", False), request_id=header_request_id or rid, priority=priority,
+        prompt_logprobs=prompt_logprobs)
+    if not chat:
+        return Extras(logprobs=_logprob_count(body, "logprobs", opts, vocab_size), **common)
+    if body.get("continue_final_message") and _bool(body, "add_generation_prompt", True):
+        raise _bad("continue_final_message", "Cannot set both `continue_final_message` and "
+                                             "`add_generation_prompt` to True.")
+    want = _bool(body, "logprobs", False)
+    top = _logprob_count(body, "top_logprobs", opts, vocab_size)
+    if top and not want:
+        raise _bad("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true.")
+    template, kwargs = _template(body, opts)
+    return Extras(add_generation_prompt=_bool(body, "add_generation_prompt", True),
+                  continue_final_message=_bool(body, "continue_final_message", False),
+                  chat_template=template, template_kwargs=kwargs,
+                  return_prompt_text=_bool(body, "return_prompt_text", False),
+                  logprobs=(top or 0) if want else None, **common)
+
+
+def with_defaults(body: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's precedence: the request's field, else the server's default (generation config),
+    else the OpenAI default. Default stop_token_ids are added to the request's."""
+    out = dict(body)
+    for key, value in defaults.items():
+        if key == "max_tokens":
+            continue  # the routes read it: a fallback for an absent max_tokens
+        if key == "stop_token_ids":
+            mine = out.get("stop_token_ids") or []
+            if isinstance(mine, list):
+                out[key] = list(dict.fromkeys([*mine, *value]))
+        elif out.get(key) is None:
+            out[key] = value
+    return out
