@@ -18,6 +18,7 @@ from pagedserve.common import curve
 from pagedserve.common.env import env, env_flag, env_int
 from pagedserve.common.messages.blockmgr import DEFAULT_WATERMARK
 from pagedserve.common.rundir import default_run_dir
+from pagedserve.common.structured_config import StructuredOutputsConfig, parse_structured_outputs_config
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -58,7 +59,7 @@ class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     device: str = "cpu"
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    kv_cache_dtype: str = "auto"  # auto: the weights' dtype (fp8 pools: a later issue)
+    kv_cache_dtype: str = "auto"  # auto: the weights' dtype; fp8 (= fp8_e4m3), fp8_e5m2: kernels/fp8.py
     load_format: str = "auto"  # auto | safetensors | pt | dummy (random weights of the model's shape)
     hf_overrides: str | None = None  # a JSON object applied to the model's config.json on loading
     trust_remote_code: bool = False
@@ -88,6 +89,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # no CUDA graphs
     seed: int = 0
+    # vLLM's --structured-outputs-config (the worker compiles grammars with it)
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     # frontend bounds
     max_prompt_chars: int = 1_000_000
     max_stop_ids: int = 64
@@ -120,9 +123,6 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype: one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype}: an fp8 KV cache is not available yet "
-                             "(only auto: the model's dtype)")
         if self.tokenizer_mode == "mistral":
             raise ValueError("--tokenizer-mode mistral: mistral_common tokenizers are not supported "
                              "(auto, hf or slow)")
@@ -230,7 +230,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=dtype_name, metavar="{auto,half,float16,bfloat16,float,float32}",
         text="weights and KV dtype (half: float16, float: float32); auto: bfloat16 on CUDA, float32 on CPU")
     arg("--kv-cache-dtype", env_name="KV_CACHE_DTYPE", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
-        text="KV cache dtype; auto: the weights' dtype (fp8*: refused, not built yet)")
+        text="KV cache dtype; auto: the weights' dtype; fp8 (e4m3, as vLLM) or fp8_e5m2: one byte an element, "
+             "twice the blocks of a 16-bit pool in the same memory")
     arg("--load-format", env_name="LOAD_FORMAT", default=d.load_format, choices=list(LOAD_FORMATS),
         text="weights: auto (safetensors, else pytorch .bin), safetensors, pt, or dummy (random values of "
              "the model's shapes, for profiling)")
@@ -287,6 +288,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     arg("--attention-backend", env_name="ATTENTION_BACKEND", default=d.attention_backend,
         choices=["auto", "torch", "triton"], text="auto: triton on CUDA, torch on CPU")
     arg("--seed", env_name="SEED", default=d.seed, type=int, text="seed of the sampler's generators")
+    arg("--structured-outputs-config", env_name="STRUCTURED_OUTPUTS_CONFIG", default=d.structured_outputs_config,
+        type=parse_structured_outputs_config, metavar="JSON",
+        text='vLLM\'s structured-output settings, e.g. \'{"disable_any_whitespace": true}\' (compact JSON '
+             'outputs); backend auto or xgrammar')
     arg("--enforce-eager", env_name="ENFORCE_EAGER", default=env_flag("ENFORCE_EAGER", False),
         action="store_true", text="never capture CUDA graphs")
     arg("--tensor-parallel-size", "-tp", env_name="TENSOR_PARALLEL_SIZE", default=d.tensor_parallel_size,

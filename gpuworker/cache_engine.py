@@ -3,7 +3,9 @@
 same shape in CPU swap space (pinned on CUDA). Swaps and copy-on-write copies
 move whole blocks of every layer; on CUDA the swaps run on a side stream and
 the compute stream waits for them, so the forward that needs the blocks is
-ordered after them."""
+ordered after them. ``dtype`` is the pool's: the model's, or an fp8 format
+(``--kv-cache-dtype``, kernels/fp8.py), one byte an element, so the same
+memory holds more blocks; swaps and copies move its bytes as they are."""
 from __future__ import annotations
 
 import torch

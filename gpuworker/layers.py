@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import AttentionBackend, cpu_ops, get_attention_backend
+from pagedserve.kernels.fp8 import unit_scale
 
 
 @dataclass
@@ -111,12 +112,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the pool through the slot mapping, then
-    attends from the pool through the block tables (new tokens included)."""
+    attends from the pool through the block tables (new tokens included).
+    ``k_scale`` / ``v_scale``: this layer's fp8 KV scales (kernels/fp8.py; 1.0,
+    on the pool's device, set by the runner), unused by unquantized pools."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.backend: AttentionBackend = get_attention_backend("torch", "cpu")  # the runner sets the real one
+        self.k_scale, self.v_scale = unit_scale("cpu"), unit_scale("cpu")
 
     def forward_rotary(
         self,
@@ -133,7 +137,7 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache
         if self.backend.name == "torch" and cpu_ops.rope_and_cache(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, positions, rotary.cos, rotary.sin,
-            k_cache, v_cache, meta.slot_mapping,
+            k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale,
         ):
             return self._attend(qkv[:, :q_size].view(n, self.num_heads, self.head_dim), kv_cache, meta)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -149,13 +153,13 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        self.backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return self._attend(q, kv_cache, meta)
 
     def _attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         out = self.backend.paged_attention(
             q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
-            max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len, k_scale=self.k_scale, v_scale=self.v_scale,
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 

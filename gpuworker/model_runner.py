@@ -49,8 +49,9 @@ from pagedserve.gpuworker.sampler import Sampler
 from pagedserve.gpuworker.seq_state import SeqState, SeqStates
 from pagedserve.gpuworker.step_gaps import StepGaps
 from pagedserve.gpuworker.grammar_compiler import IDLE_WAIT_S, AsyncCompiles
-from pagedserve.gpuworker.structured import StructuredDecoding, compile_spec
+from pagedserve.gpuworker.structured import StructuredDecoding
 from pagedserve.kernels import cpu_build, get_attention_backend
+from pagedserve.kernels.fp8 import kv_cache_dtype, unit_scale
 
 
 def cpu_default_kv_bytes() -> int:
@@ -117,7 +118,8 @@ class ModelRunner:
         self.gaps = StepGaps()  # idle time between steps (the cost of scheduling between them)
         self.structured = StructuredDecoding(None, 0, ())  # grammar matchers (rank 0), set up by init
         # Grammars compiled off the step path (rank 0); the cache stays the structured decoder's.
-        self.compiles = AsyncCompiles(lambda: self.structured.compiler(), compile_spec,
+        self.compiles = AsyncCompiles(lambda: self.structured.compiler(),
+                                      lambda compiler, spec: self.structured.build(compiler, spec),
                                       lambda spec: self.structured.has(spec),
                                       lambda spec, compiled: self.structured.keep(spec, compiled))
 
@@ -151,20 +153,23 @@ class ModelRunner:
         for m in self.model.modules():
             if isinstance(m, PagedAttention):
                 m.backend = self.backend
+                m.k_scale, m.v_scale = unit_scale(self.device), unit_scale(self.device)  # fp8 pools: vLLM's default 1.0
         self.num_layers = self.model.num_layers
         self.num_kv_heads, self.head_dim = self.model.num_kv_heads, self.model.head_dim  # this rank's heads
         self.vocab_size = hf.vocab_size
         self.sampler = Sampler(cfg.seed, eos)  # before sizing: the CUDA profile runs it
         tok_dir = resolve_model(cfg.tokenizer or cfg.model)  # --tokenizer's vocabulary for the grammars
-        self.structured = StructuredDecoding(None if self.source else tok_dir, self.vocab_size, eos)
-        per_block = bytes_per_block(self.num_layers, cfg.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        self.structured = StructuredDecoding(None if self.source else tok_dir, self.vocab_size, eos,
+                                             cfg.structured_outputs_config.disable_any_whitespace)
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.dtype)  # fp8: one byte an element, more blocks
+        per_block = bytes_per_block(self.num_layers, cfg.block_size, self.num_kv_heads, self.head_dim, self.kv_dtype)
         # Each rank sizes its own pool from its own memory; the block ids are
         # shared, so the group agrees on the smallest count.
         num_gpu_blocks = tp.all_reduce_min(self._num_gpu_blocks(per_block))
         num_cpu_blocks = int(cfg.swap_space * (1 << 30)) // per_block
         self.cache = CacheEngine(
             self.num_layers, num_gpu_blocks, num_cpu_blocks, cfg.block_size,
-            self.num_kv_heads, self.head_dim, self.dtype, self.device, self.backend,
+            self.num_kv_heads, self.head_dim, self.kv_dtype, self.device, self.backend,
         )
         info = ModelInfo(
             model_name=name, vocab_size=self.vocab_size, max_model_len=self.max_model_len, eos_token_ids=eos,
@@ -176,7 +181,7 @@ class ModelRunner:
             print(
                 f"pagedserve gpuworker: {name} ({type(self.model).__name__}, {cfg.torch_dtype_name}, {self.device}, "
                 f"attention={self.backend.name}{shard}) loaded in {load_s:.1f} s; KV pool {num_gpu_blocks} blocks x "
-                f"{cfg.block_size} = {num_gpu_blocks * cfg.block_size} tokens ({num_gpu_blocks * per_block / 2**20:.0f} MiB"
+                f"{cfg.block_size} = {num_gpu_blocks * cfg.block_size} tokens ({num_gpu_blocks * per_block / 2**20:.0f} MiB of {str(self.kv_dtype)[6:]}"
                 f"{' per rank' if tp.size > 1 else ''}), swap {num_cpu_blocks} blocks",
                 file=sys.stderr, flush=True,
             )
@@ -222,7 +227,8 @@ class ModelRunner:
         n_seqs = cdiv(n_tok, seq_len)
         blocks_per_seq = cdiv(seq_len, cfg.block_size)
         scratch = CacheEngine(
-            self.num_layers, n_seqs * blocks_per_seq, 0, cfg.block_size, self.num_kv_heads, self.head_dim, self.dtype, dev, self.backend
+            self.num_layers, n_seqs * blocks_per_seq, 0, cfg.block_size, self.num_kv_heads, self.head_dim, self.kv_dtype, dev,
+            self.backend,
         )
         lens = [seq_len] * (n_tok // seq_len) + ([n_tok % seq_len] if n_tok % seq_len else [])
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(lens))]

@@ -29,6 +29,7 @@ struct Shape {
   int num_heads, num_kv_heads, head_dim, block_size, table_stride;
   int64_t q_stride;  // elements between two tokens of q (a view into the fused QKV rows, or heads * head_dim)
   float scale;
+  float k_scale, v_scale;  // fp8 pools: stored = value / scale (1 for 16/32-bit pools)
 };
 
 // Block tables jump around the pool, where no hardware prefetcher follows,
@@ -51,8 +52,11 @@ constexpr int ROW_CHUNK = 4;
 // multiple of LANES known at compile time (0: scalar loops over sh.head_dim).
 // Rows are ordered (kv head, token, group member): row r of KV head h is
 // query token t = (r / G) % nq of head h * G + r % G.
-template <typename T, int DT>
-void run_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len, int q_begin,
+// KT is the pool's element type: T, or an fp8 format dequantized on load; its
+// per-layer scales are folded into the queries (k) and the output (v), so they
+// cost nothing per key.
+template <typename T, typename KT, int DT>
+void run_item(const T* q, const KT* k_cache, const KT* v_cache, const int32_t* table, int seq_len, int q_begin,
               int q_len, int tile, T* out, const Shape& sh, std::vector<float>& scratch) {
   const int D = DT > 0 ? DT : sh.head_dim;
   const int H = sh.num_heads, KVH = sh.num_kv_heads, G = H / KVH, BS = sh.block_size;
@@ -69,7 +73,7 @@ void run_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* tab
       for (int g = 0; g < G; ++g) {
         const int r = (kvh * nq + t) * G + g;
         const T* src = q + static_cast<int64_t>(q_begin + q0 + t) * sh.q_stride + (kvh * G + g) * D;
-        for (int d = 0; d < D; ++d) qs[r * D + d] = load(src + d) * sh.scale;
+        for (int d = 0; d < D; ++d) qs[r * D + d] = load(src + d) * (sh.scale * sh.k_scale);
         m[r] = -FLT_MAX;
       }
   const int first_ctx = seq_len - q_len + q0 + 1;  // keys visible to the tile's first token
@@ -82,12 +86,12 @@ void run_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* tab
     prefetch(v_cache + table[kb] * block_elems, tokens_in(kb) * tok_stride);
   }
   for (int kb = 0; kb < num_blocks; ++kb) {
-    const T* kblk = k_cache + table[kb] * block_elems;
-    const T* vblk = v_cache + table[kb] * block_elems;
+    const KT* kblk = k_cache + table[kb] * block_elems;
+    const KT* vblk = v_cache + table[kb] * block_elems;
     const int n = tokens_in(kb);
     const int n_ahead = kb + AHEAD < num_blocks ? tokens_in(kb + AHEAD) : 0;
-    const T* k_ahead = n_ahead > 0 ? k_cache + table[kb + AHEAD] * block_elems : nullptr;
-    const T* v_ahead = n_ahead > 0 ? v_cache + table[kb + AHEAD] * block_elems : nullptr;
+    const KT* k_ahead = n_ahead > 0 ? k_cache + table[kb + AHEAD] * block_elems : nullptr;
+    const KT* v_ahead = n_ahead > 0 ? v_cache + table[kb + AHEAD] * block_elems : nullptr;
     // Scores. Key i is visible to token t when kb * BS + i < first_ctx + t (causal).
     for (int i = 0; i < n; ++i) {
       if (i < n_ahead) {
@@ -96,7 +100,7 @@ void run_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* tab
       }
       const int t_min = std::max(0, kb * BS + i - first_ctx + 1);
       for (int kvh = 0; kvh < KVH; ++kvh) {
-        const T* kr = kblk + i * tok_stride + kvh * D;
+        const KT* kr = kblk + i * tok_stride + kvh * D;
         for (int rr = t_min * G; rr < per_kv; ++rr) {
           const int r = kvh * per_kv + rr;
           const float* qr = qs + r * D;
@@ -151,7 +155,7 @@ void run_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* tab
           for (int c = 0; c < nc; ++c)
             for (int j = 0; j < NV; ++j) a[c][j] = loadv(acc + (r0 + c) * D + j * LANES);
           for (int i = 0; i < n; ++i) {
-            const T* vr = vblk + i * tok_stride + kvh * D;
+            const KT* vr = vblk + i * tok_stride + kvh * D;
             vf v[NV];
             for (int j = 0; j < NV; ++j) v[j] = loadv(vr + j * LANES);
             for (int c = 0; c < nc; ++c) {
@@ -163,7 +167,7 @@ void run_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* tab
             for (int j = 0; j < NV; ++j) storev(acc + (r0 + c) * D + j * LANES, a[c][j]);
         } else {
           for (int i = 0; i < n; ++i) {
-            const T* vr = vblk + i * tok_stride + kvh * D;
+            const KT* vr = vblk + i * tok_stride + kvh * D;
             for (int c = 0; c < nc; ++c) {
               const float p = s[(r0 + c) * BS + i];
               float* ar = acc + (r0 + c) * D;
@@ -179,13 +183,13 @@ void run_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* tab
       for (int g = 0; g < G; ++g) {
         const int r = (kvh * nq + t) * G + g;
         T* dst = out + (static_cast<int64_t>(q_begin + q0 + t) * H + kvh * G + g) * D;
-        const float inv = 1.0f / l[r];
+        const float inv = sh.v_scale / l[r];
         for (int d = 0; d < D; ++d) store(dst + d, acc[r * D + d] * inv);
       }
 }
 
-template <typename T, int DT>
-void paged_attention(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+template <typename T, typename KT, int DT>
+void paged_attention(const T* q, const KT* k_cache, const KT* v_cache, const int32_t* block_tables,
                      const int32_t* seq_lens, const int32_t* query_start_loc, T* out, int num_seqs, const Shape& sh) {
   // Item index -> (seq, tile): prefix sums of tiles per sequence.
   std::vector<int64_t> first(num_seqs + 1, 0);
@@ -202,19 +206,33 @@ void paged_attention(const T* q, const T* k_cache, const T* v_cache, const int32
       const int seq = static_cast<int>(std::upper_bound(first.begin(), first.end(), w) - first.begin()) - 1;
       const int tile = static_cast<int>(w - first[seq]);
       const int q_begin = query_start_loc[seq], q_len = query_start_loc[seq + 1] - q_begin;
-      run_item<T, DT>(q, k_cache, v_cache, block_tables + static_cast<int64_t>(seq) * sh.table_stride, seq_lens[seq],
+      run_item<T, KT, DT>(q, k_cache, v_cache, block_tables + static_cast<int64_t>(seq) * sh.table_stride, seq_lens[seq],
                       q_begin, q_len, tile, out, sh, scratch);
     }
   }
 }
 
-template <typename T>
-void dispatch(const T* q, const T* k_cache, const T* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
+template <typename T, typename KT>
+void dispatch(const T* q, const void* k_cache, const void* v_cache, const int32_t* block_tables, const int32_t* seq_lens,
               const int32_t* query_start_loc, T* out, int num_seqs, const Shape& sh) {
+  const KT* k = static_cast<const KT*>(k_cache);
+  const KT* v = static_cast<const KT*>(v_cache);
   switch (sh.head_dim) {  // the common sizes get fully unrolled dot products
-    case 64: return paged_attention<T, 64>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, num_seqs, sh);
-    case 128: return paged_attention<T, 128>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, num_seqs, sh);
-    default: return paged_attention<T, 0>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, num_seqs, sh);
+    case 64: return paged_attention<T, KT, 64>(q, k, v, block_tables, seq_lens, query_start_loc, out, num_seqs, sh);
+    case 128: return paged_attention<T, KT, 128>(q, k, v, block_tables, seq_lens, query_start_loc, out, num_seqs, sh);
+    default: return paged_attention<T, KT, 0>(q, k, v, block_tables, seq_lens, query_start_loc, out, num_seqs, sh);
+  }
+}
+
+// kv_dtype: the pool's element type, the q dtype's own (T) or an fp8 format.
+template <typename T>
+int dispatch_kv(int kv_dtype, const T* q, const void* k_cache, const void* v_cache, const int32_t* block_tables,
+                const int32_t* seq_lens, const int32_t* query_start_loc, T* out, int num_seqs, const Shape& sh) {
+  switch (kv_dtype) {
+    case KV_SAME: dispatch<T, T>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, num_seqs, sh); return 0;
+    case KV_FP8_E4M3: dispatch<T, fp8e4>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, num_seqs, sh); return 0;
+    case KV_FP8_E5M2: dispatch<T, fp8e5>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, num_seqs, sh); return 0;
+    default: return 2;
   }
 }
 
@@ -222,26 +240,26 @@ void dispatch(const T* q, const T* k_cache, const T* v_cache, const int32_t* blo
 
 extern "C" {
 
-// dtype: 0 float32, 1 bfloat16. Returns 0, or a positive code for bad arguments.
-int pagedserve_paged_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
+// dtype (q and out): 0 float32, 1 bfloat16. kv_dtype: 0 the same as q, 2 fp8
+// e4m3, 3 fp8 e5m2, with k_scale / v_scale pointing at the layer's scales (read
+// only for fp8). Returns 0, or a positive code for bad arguments.
+int pagedserve_paged_attention(int dtype, int kv_dtype, const void* q, const void* k_cache, const void* v_cache,
                                const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start_loc,
                                void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                               int table_stride, int64_t q_stride, float scale) {
+                               int table_stride, int64_t q_stride, float scale, const float* k_scale,
+                               const float* v_scale) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) return 1;
   if (q_stride < static_cast<int64_t>(num_heads) * head_dim) return 1;
-  const Shape sh{num_heads, num_kv_heads, head_dim, block_size, table_stride, q_stride, scale};
-  if (dtype == 0) {
-    dispatch(static_cast<const float*>(q), static_cast<const float*>(k_cache),
-                    static_cast<const float*>(v_cache), block_tables, seq_lens, query_start_loc,
-                    static_cast<float*>(out), num_seqs, sh);
-  } else if (dtype == 1) {
-    dispatch(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
-                    static_cast<const uint16_t*>(v_cache), block_tables, seq_lens, query_start_loc,
-                    static_cast<uint16_t*>(out), num_seqs, sh);
-  } else {
-    return 2;
-  }
-  return 0;
+  const bool fp8 = kv_dtype == KV_FP8_E4M3 || kv_dtype == KV_FP8_E5M2;
+  const Shape sh{num_heads, num_kv_heads, head_dim, block_size, table_stride, q_stride, scale,
+                 fp8 ? *k_scale : 1.0f, fp8 ? *v_scale : 1.0f};
+  if (dtype == 0)
+    return dispatch_kv(kv_dtype, static_cast<const float*>(q), k_cache, v_cache, block_tables, seq_lens,
+                       query_start_loc, static_cast<float*>(out), num_seqs, sh);
+  if (dtype == 1)
+    return dispatch_kv(kv_dtype, static_cast<const uint16_t*>(q), k_cache, v_cache, block_tables, seq_lens,
+                       query_start_loc, static_cast<uint16_t*>(out), num_seqs, sh);
+  return 2;
 }
 
 }  // extern "C"

@@ -18,9 +18,30 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels import cpu_build
+from pagedserve.kernels.fp8 import dequantize, is_fp8, unit_scale
 
 # The compiled library's dtype argument (every entry point, cpu_ops.py's too, takes it first).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# Its kv_dtype argument (cpu_common.h): the pool in q's dtype, or an fp8 format.
+KV_SAME = 0
+FP8_CODES = {torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+_ONE = unit_scale("cpu")  # what the library reads as a scale when the caller gives none
+
+
+def kv_code(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> int | None:
+    """The library's kv_dtype code for a pool of ``kv_dtype`` read with ``q_dtype`` (None: not supported)."""
+    if kv_dtype == q_dtype:
+        return KV_SAME
+    return FP8_CODES.get(kv_dtype)
+
+
+def scale_ptr(scale: torch.Tensor | None) -> int:
+    """The address of a layer's scale as the library reads it (one float32 on the CPU)."""
+    if scale is None:
+        return _ONE.data_ptr()
+    if scale.dtype != torch.float32 or scale.device.type != "cpu" or scale.numel() != 1:
+        raise ValueError(f"a KV scale must be one float32 on the CPU, got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
+    return scale.data_ptr()
 
 
 def paged_attention_cpu(
@@ -32,11 +53,16 @@ def paged_attention_cpu(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     lib = cpu_build.load()
     code = DTYPE_CODES.get(q.dtype)
-    if lib is None or code is None or q.device.type != "cpu" or k_cache.dtype != q.dtype:
-        return paged_attention_sdpa(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+    kv = kv_code(q.dtype, k_cache.dtype)
+    if lib is None or code is None or kv is None or q.device.type != "cpu" or v_cache.dtype != k_cache.dtype:
+        return paged_attention_sdpa(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                                    k_scale=k_scale, v_scale=v_scale)
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()  # a token's heads must be one row; tokens may be strided (views into fused QKV)
     tables = block_tables.to(torch.int32).contiguous()
@@ -49,9 +75,9 @@ def paged_attention_cpu(
     else:
         result = out
     rc = lib.pagedserve_paged_attention(
-        code, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        code, kv, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         qsl.data_ptr(), result.data_ptr(), lens.numel(), q.shape[1], k_cache.shape[2], q.shape[2],
-        k_cache.shape[1], tables.shape[1], q.stride(0), ctypes.c_float(scale),
+        k_cache.shape[1], tables.shape[1], q.stride(0), ctypes.c_float(scale), scale_ptr(k_scale), scale_ptr(v_scale),
     )
     if rc != 0:
         raise ValueError(f"paged attention: bad shapes (code {rc})")
@@ -70,14 +96,18 @@ def paged_attention_sdpa(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if out is None:
         out = torch.empty_like(q)
     qsl = query_start_loc.long()
     q_lens = (qsl[1:] - qsl[:-1]).tolist()
     lens = seq_lens.tolist()
+    scales = (k_scale, v_scale) if is_fp8(k_cache.dtype) else (None, None)
     for group in _groups(q_lens, lens):
-        _attend(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, out, group, q_lens, lens)
+        _attend(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, out, group, q_lens, lens, scales)
     return out
 
 
@@ -104,14 +134,14 @@ def _groups(q_lens: list[int], lens: list[int]) -> list[list[int]]:
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, qsl: torch.Tensor, scale: float, out: torch.Tensor, group: list[int],
-            q_lens: list[int], lens: list[int]) -> None:
+            q_lens: list[int], lens: list[int], scales: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
     block_size = k_cache.shape[1]
     idx = torch.tensor(group, dtype=torch.long)
     max_len, max_q = max(lens[i] for i in group), max(q_lens[i] for i in group)
     width = (max_len + block_size - 1) // block_size
     blocks = block_tables[idx, :width].long()
-    k = k_cache[blocks].flatten(1, 2)  # [n, width * block_size, kv_heads, head_dim]
-    v = v_cache[blocks].flatten(1, 2)
+    k = dequantize(k_cache[blocks].flatten(1, 2), scales[0], q.dtype)  # [n, width * block_size, kv_heads, head_dim]
+    v = dequantize(v_cache[blocks].flatten(1, 2), scales[1], q.dtype)
     seq_len = seq_lens[idx].long()[:, None]  # [n, 1]
     q_len = torch.tensor([q_lens[i] for i in group], dtype=torch.long)[:, None]
     j = torch.arange(max_q)[None, :]

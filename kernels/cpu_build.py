@@ -108,9 +108,9 @@ def load() -> ctypes.CDLL | None:
     dll = ctypes.CDLL(str(lib))
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
-        "pagedserve_paged_attention": [i32, *[ptr] * 7, *[i32] * 6, i64, f32],
+        "pagedserve_paged_attention": [i32, i32, *[ptr] * 7, *[i32] * 6, i64, f32, ptr, ptr],
         "pagedserve_add_rms_norm": [i32, ptr, ptr, ptr, ptr, i32, i32, f32],
-        "pagedserve_rope_and_cache": [i32, ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr],
+        "pagedserve_rope_and_cache": [i32, i32, ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr],
         "pagedserve_silu_and_mul": [i32, ptr, ptr, i32, i32],
     }
     for name, argtypes in signatures.items():

@@ -6,6 +6,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace pagedserve_cpu {
 
@@ -87,5 +91,82 @@ inline float round_bf16(float v) {
 }
 inline float round_as(const float*, float v) { return v; }
 inline float round_as(const uint16_t*, float v) { return round_bf16(v); }
+
+// fp8 KV cache elements (torch.float8_e4m3fn and torch.float8_e5m2): one byte
+// each, distinct types so overloads pick the format. Both decode exactly
+// through fp16: e5m2 is the high byte of an fp16; e4m3 moves its 4-bit exponent
+// into fp16's 5-bit field (times 2^8 for the bias 7 vs 15), subnormals included.
+struct fp8e4 { uint8_t bits; };
+struct fp8e5 { uint8_t bits; };
+// The kv_dtype argument of the entry points (kernels/cpu_attention.py's KV_CODES).
+constexpr int KV_SAME = 0, KV_FP8_E4M3 = 2, KV_FP8_E5M2 = 3;
+
+inline uint16_t fp16_bits(fp8e4 x) { return static_cast<uint16_t>(((x.bits & 0x80u) << 8) | ((x.bits & 0x7Fu) << 7)); }
+inline uint16_t fp16_bits(fp8e5 x) { return static_cast<uint16_t>(x.bits << 8); }
+constexpr float fp8_rescale(const fp8e4*) { return 256.0f; }
+constexpr float fp8_rescale(const fp8e5*) { return 1.0f; }
+
+inline float half_to_float(uint16_t h) {  // exact, subnormals included (no FTZ in this library)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+  if (exp == 0) {
+    const float v = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -v : v;
+  }
+  const uint32_t bits = sign | ((exp + 112u) << 23) | (mant << 13);  // exp 31 never occurs: writes saturate
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float load(const fp8e4* p) { return half_to_float(fp16_bits(*p)) * fp8_rescale(p); }
+inline float load(const fp8e5* p) { return half_to_float(fp16_bits(*p)) * fp8_rescale(p); }
+
+// float -> fp8, round to nearest even and saturating at the format's largest
+// finite value (as vLLM's writes are); the same rule as kernels/fp8.py.
+template <int MANT, int BIAS>
+inline uint8_t encode_fp8(float v, float max_finite) {
+  const uint8_t sign = std::signbit(v) ? 0x80u : 0u;
+  const float a = std::min(std::fabs(v), max_finite);
+  const float min_normal = std::ldexp(1.0f, 1 - BIAS);
+  if (a < min_normal)  // subnormal: a multiple of 2^(1 - BIAS - MANT); 2^MANT rounds up to the least normal
+    return sign | static_cast<uint8_t>(std::nearbyint(a * std::ldexp(1.0f, BIAS - 1 + MANT)));
+  uint32_t u;
+  std::memcpy(&u, &a, sizeof u);
+  constexpr int DROP = 23 - MANT;
+  u += (1u << (DROP - 1)) - 1u + ((u >> DROP) & 1u);
+  const uint32_t e = (u >> 23) - 127u + BIAS, m = (u >> DROP) & ((1u << MANT) - 1u);
+  return sign | static_cast<uint8_t>((e << MANT) | m);
+}
+inline void store(fp8e4* p, float v) { p->bits = encode_fp8<3, 7>(v, 448.0f); }
+inline void store(fp8e5* p, float v) { p->bits = encode_fp8<2, 15>(v, 57344.0f); }
+
+// 16 fp8 values -> floats: widen the bytes, build fp16 bits, convert in hardware.
+template <typename F>
+inline vf loadv_fp8(const F* p) {
+  typedef uint8_t vb __attribute__((vector_size(16)));
+  vb b;
+  std::memcpy(&b, p, sizeof b);
+  vh h = __builtin_convertvector(b, vh);
+  if constexpr (std::is_same_v<F, fp8e4>) h = ((h & 0x80) << 8) | ((h & 0x7F) << 7);
+  else h = h << 8;
+  vf v;
+#if defined(__AVX512F__)
+  __m256i hi;
+  std::memcpy(&hi, &h, sizeof hi);
+  const __m512 f = _mm512_cvtph_ps(hi);
+  std::memcpy(&v, &f, sizeof v);
+#elif defined(__F16C__)
+  __m128i lo, up;
+  std::memcpy(&lo, &h, sizeof lo);
+  std::memcpy(&up, reinterpret_cast<const char*>(&h) + 16, sizeof up);
+  const __m256 f0 = _mm256_cvtph_ps(lo), f1 = _mm256_cvtph_ps(up);
+  std::memcpy(&v, &f0, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &f1, 32);
+#else
+  for (int i = 0; i < LANES; ++i) v[i] = half_to_float(h[i]);
+#endif
+  return fp8_rescale(p) == 1.0f ? v : v * fp8_rescale(p);
+}
+inline vf loadv(const fp8e4* p) { return loadv_fp8(p); }
+inline vf loadv(const fp8e5* p) { return loadv_fp8(p); }
 
 }  // namespace pagedserve_cpu

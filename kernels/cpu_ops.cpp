@@ -8,6 +8,7 @@
 // torch's rounding after every op it rounds (round_as). Rows are spread over
 // torch's OpenMP threads once a batch is large enough to pay for the fork.
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_common.h"
 
@@ -52,10 +53,12 @@ inline void rotate(T* x, const float* cos, const float* sin, int half) {
 // qkv: [tokens, stride] rows holding q (heads), k and v (kv_heads each) of
 // head_dim. q and k are rotated in place, then k and v are copied to their
 // slot of the pool [num_blocks, block_size, kv_heads, head_dim]; negative
-// slots (padding) are skipped. cos/sin: [max_position, head_dim / 2].
-template <typename T>
+// slots (padding) are skipped. cos/sin: [max_position, head_dim / 2]. KT is
+// the pool's element type: T (copied), or fp8 (quantized: value / scale).
+template <typename T, typename KT>
 void rope_and_cache(T* qkv, int64_t stride, int tokens, int heads, int kv_heads, int head_dim, const int64_t* positions,
-                    const float* cos, const float* sin, T* k_cache, T* v_cache, const int64_t* slots) {
+                    const float* cos, const float* sin, KT* k_cache, KT* v_cache, const int64_t* slots, float k_scale,
+                    float v_scale) {
   const int half = head_dim / 2;
   const int64_t slot_elems = static_cast<int64_t>(kv_heads) * head_dim;
 #pragma omp parallel for if (tokens >= PARALLEL_ROWS) schedule(static)
@@ -67,8 +70,41 @@ void rope_and_cache(T* qkv, int64_t stride, int tokens, int heads, int kv_heads,
     T* k = row + static_cast<int64_t>(heads) * head_dim;
     for (int h = 0; h < kv_heads; ++h) rotate(k + static_cast<int64_t>(h) * head_dim, c, s, half);
     if (slots[t] < 0) continue;
-    std::memcpy(k_cache + slots[t] * slot_elems, k, slot_elems * sizeof(T));
-    std::memcpy(v_cache + slots[t] * slot_elems, k + slot_elems, slot_elems * sizeof(T));
+    if constexpr (std::is_same_v<KT, T>) {
+      std::memcpy(k_cache + slots[t] * slot_elems, k, slot_elems * sizeof(T));
+      std::memcpy(v_cache + slots[t] * slot_elems, k + slot_elems, slot_elems * sizeof(T));
+    } else {
+      // x * (1 / scale), the reciprocal rounded once in fp32: the rule of kernels/fp8.py.
+      const float k_inv = 1.0f / k_scale, v_inv = 1.0f / v_scale;
+      KT* kd = k_cache + slots[t] * slot_elems;
+      KT* vd = v_cache + slots[t] * slot_elems;
+      for (int64_t i = 0; i < slot_elems; ++i) {
+        store(kd + i, load(k + i) * k_inv);
+        store(vd + i, load(k + slot_elems + i) * v_inv);
+      }
+    }
+  }
+}
+
+template <typename T>
+int rope_and_cache_kv(int kv_dtype, T* qkv, int64_t stride, int tokens, int heads, int kv_heads, int head_dim,
+                      const int64_t* positions, const float* cos, const float* sin, void* k_cache, void* v_cache,
+                      const int64_t* slots, const float* k_scale, const float* v_scale) {
+  switch (kv_dtype) {
+    case KV_SAME:
+      rope_and_cache(qkv, stride, tokens, heads, kv_heads, head_dim, positions, cos, sin, static_cast<T*>(k_cache),
+                     static_cast<T*>(v_cache), slots, 1.0f, 1.0f);
+      return 0;
+    case KV_FP8_E4M3:
+      rope_and_cache(qkv, stride, tokens, heads, kv_heads, head_dim, positions, cos, sin, static_cast<fp8e4*>(k_cache),
+                     static_cast<fp8e4*>(v_cache), slots, *k_scale, *v_scale);
+      return 0;
+    case KV_FP8_E5M2:
+      rope_and_cache(qkv, stride, tokens, heads, kv_heads, head_dim, positions, cos, sin, static_cast<fp8e5*>(k_cache),
+                     static_cast<fp8e5*>(v_cache), slots, *k_scale, *v_scale);
+      return 0;
+    default:
+      return 2;
   }
 }
 
@@ -108,21 +144,19 @@ int pagedserve_add_rms_norm(int dtype, void* x, void* residual, const void* weig
   return 0;
 }
 
-int pagedserve_rope_and_cache(int dtype, void* qkv, int64_t stride, int tokens, int heads, int kv_heads, int head_dim,
-                              const int64_t* positions, const float* cos, const float* sin, void* k_cache,
-                              void* v_cache, const int64_t* slots) {
+// kv_dtype: 0 the pool has qkv's dtype, 2 fp8 e4m3, 3 fp8 e5m2 (k_scale / v_scale read only for fp8).
+int pagedserve_rope_and_cache(int dtype, int kv_dtype, void* qkv, int64_t stride, int tokens, int heads, int kv_heads,
+                              int head_dim, const int64_t* positions, const float* cos, const float* sin, void* k_cache,
+                              void* v_cache, const int64_t* slots, const float* k_scale, const float* v_scale) {
   if (tokens < 0 || heads <= 0 || kv_heads <= 0 || head_dim <= 0 || head_dim % 2 != 0) return 1;
   if (stride < static_cast<int64_t>(heads + 2 * kv_heads) * head_dim) return 1;
-  if (dtype == 0) {
-    rope_and_cache(static_cast<float*>(qkv), stride, tokens, heads, kv_heads, head_dim, positions, cos, sin,
-                   static_cast<float*>(k_cache), static_cast<float*>(v_cache), slots);
-  } else if (dtype == 1) {
-    rope_and_cache(static_cast<uint16_t*>(qkv), stride, tokens, heads, kv_heads, head_dim, positions, cos, sin,
-                   static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), slots);
-  } else {
-    return 2;
-  }
-  return 0;
+  if (dtype == 0)
+    return rope_and_cache_kv(kv_dtype, static_cast<float*>(qkv), stride, tokens, heads, kv_heads, head_dim, positions,
+                             cos, sin, k_cache, v_cache, slots, k_scale, v_scale);
+  if (dtype == 1)
+    return rope_and_cache_kv(kv_dtype, static_cast<uint16_t*>(qkv), stride, tokens, heads, kv_heads, head_dim,
+                             positions, cos, sin, k_cache, v_cache, slots, k_scale, v_scale);
+  return 2;
 }
 
 int pagedserve_silu_and_mul(int dtype, const void* x, void* out, int rows, int width) {

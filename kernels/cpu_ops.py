@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels import cpu_build
-from pagedserve.kernels.cpu_attention import DTYPE_CODES
+from pagedserve.kernels.cpu_attention import DTYPE_CODES, kv_code, scale_ptr
 
 
 def _code(*tensors: torch.Tensor) -> int | None:
@@ -40,19 +40,26 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> bool:
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> bool:
     """Rotates q and k in place in ``qkv`` by neox RoPE at ``positions`` and
-    writes k and v into their slots of the pool. ``qkv``: [tokens, (heads + 2
-    kv_heads) * head_dim] rows, possibly strided. False: not done, nothing changed."""
-    code = _code(k_cache, v_cache)
-    if (code is None or qkv.dtype != k_cache.dtype or qkv.device.type != "cpu" or qkv.stride(1) != 1
-            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())):
+    writes k and v into their slots of the pool (an fp8 pool: quantized with
+    the layer's scales, ``fp8.py``). ``qkv``: [tokens, (heads + 2 kv_heads) *
+    head_dim] rows, possibly strided. False: not done, nothing changed."""
+    if qkv.device.type != "cpu" or qkv.dtype not in DTYPE_CODES:
+        return False
+    kv = kv_code(qkv.dtype, k_cache.dtype)
+    if (kv is None or v_cache.dtype != k_cache.dtype or k_cache.device.type != "cpu" or v_cache.device.type != "cpu"
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or qkv.stride(1) != 1
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())
+            or cpu_build.load() is None):
         return False
     positions = positions.to(torch.int64).contiguous()
     slots = slot_mapping.to(torch.int64).contiguous()
     rc = cpu_build.load().pagedserve_rope_and_cache(
-        code, qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim, positions.data_ptr(),
-        cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr())
+        DTYPE_CODES[qkv.dtype], kv, qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim,
+        positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+        scale_ptr(k_scale), scale_ptr(v_scale))
     if rc != 0:
         raise ValueError(f"rope_and_cache: bad shapes (code {rc})")
     return True

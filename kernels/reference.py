@@ -9,10 +9,14 @@ Contract shared with ``paged_attention`` (the Triton kernel):
   query_start_loc int32 [num_seqs + 1], cumulative query counts
 Sequence i's queries are its last ``query_start_loc[i+1] - query_start_loc[i]``
 positions, causally masked.
+  k_scale, v_scale  float32 one-element tensors: the layer's scales of an fp8
+               pool (``fp8.py``; None: 1.0), ignored for other pools
 """
 from __future__ import annotations
 
 import torch
+
+from pagedserve.kernels.fp8 import dequantize, quantize
 
 
 def paged_attention_ref(
@@ -24,6 +28,9 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -40,8 +47,8 @@ def paged_attention_ref(
             continue
         n_blocks = (seq_len + block_size - 1) // block_size
         blocks = block_tables[i, :n_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(acc_dtype)
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(acc_dtype)
+        k = dequantize(k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len], k_scale, acc_dtype)
+        v = dequantize(v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len], v_scale, acc_dtype)
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         qi = q[q_lo:q_hi].to(acc_dtype).transpose(0, 1)  # [H, q_len, D]
@@ -61,15 +68,18 @@ def reshape_and_cache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write key/value [num_tokens, num_kv_heads, head_dim] into their slots
-    (slot = block * block_size + offset); negative slots are skipped."""
+    (slot = block * block_size + offset); negative slots are skipped. fp8
+    pools store them quantized with the layer's scales (``fp8.quantize``)."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     k_flat = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
     v_flat = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
-    k_flat[slots] = key[keep].to(k_cache.dtype)
-    v_flat[slots] = value[keep].to(v_cache.dtype)
+    k_flat[slots] = quantize(key[keep], k_scale, k_cache.dtype)
+    v_flat[slots] = quantize(value[keep], v_scale, v_cache.dtype)
 
 
 def copy_blocks_ref(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: torch.Tensor) -> None:

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.fp8 import is_fp8, unit_scale
+
 _LOG2E = 1.4426950408889634
 
 
@@ -46,7 +48,7 @@ def _find_seq_idx(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_out_ptr, part_lse_ptr,
+    part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     qk_scale, num_seqs, partition_size,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -57,7 +59,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,6 +100,8 @@ def _paged_attention_kernel(
     q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    if KV_FP8:  # the layer's k scale folds into the score scale, its v scale into the output
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     # -1e30, not -inf: rows with no key yet in this tile must not make inf - inf.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -118,7 +122,12 @@ def _paged_attention_kernel(
             v_ptr + phys[:, None] * stride_vb + slot_off[:, None] * stride_vs
             + kv_head * stride_vh + dims[None, :] * stride_vd,
             mask=k_ok[:, None] & dim_ok[None, :], other=0.0)  # [N, D]
-        if DOT_FP32:
+        if KV_FP8:
+            # fp8 -> fp32 is exact (and right in the interpreter, whose fp8 -> fp16 is not), then q's dtype:
+            # every fp8 value is exact in fp16/bf16 too.
+            k = k.to(tl.float32).to(q.dtype)
+            v = v.to(tl.float32).to(q.dtype)
+        elif DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
@@ -133,6 +142,8 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     acc = acc / l_safe[:, None]
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     if SPLIT:
         # part_out is [num_tokens, num_heads, num_splits, HEAD_DIM] contiguous:
         # a row's offset is its part_lse offset times HEAD_DIM.
@@ -170,6 +181,11 @@ def _reduce_kernel(
              o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
+@functools.lru_cache(maxsize=8)
+def _one(device: torch.device) -> torch.Tensor:
+    return unit_scale(device)  # read only: the scale of an fp8 pool called without its layer's
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -194,6 +210,8 @@ def paged_attention(
     max_seq_len: int | None = None,
     max_query_len: int | None = None,
     partition_size: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged attention (contract in ``reference.py``).
 
@@ -202,15 +220,23 @@ def paged_attention(
     shapes: ``block_tables.shape[1] * block_size`` and "decode iff
     num_tokens == num_seqs"). ``partition_size`` (a multiple of 16) forces the
     split-KV path with that partition; by default it is chosen when a
-    decode-shaped batch would leave the GPU's SMs idle.
+    decode-shaped batch would leave the GPU's SMs idle. ``k_scale`` /
+    ``v_scale``: an fp8 pool's per-layer scales, one float32 each on the
+    pool's device (``fp8.py``; None: 1.0); ignored for other pools.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    kv_fp8 = is_fp8(k_cache.dtype)
+    if v_cache.dtype != k_cache.dtype or not (kv_fp8 or k_cache.dtype == q.dtype):
         raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if kv_fp8:
+        k_scale = _one(q.device) if k_scale is None else k_scale
+        v_scale = _one(q.device) if v_scale is None else v_scale
+    else:
+        k_scale = v_scale = seq_lens  # unused
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
@@ -251,14 +277,14 @@ def paged_attention(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
-        part_out, part_lse,
+        part_out, part_lse, k_scale, v_scale,
         scale * _LOG2E, num_seqs, partition_size or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         block_tables.stride(0),
         *pstrides,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n,
-        SPLIT=split, DOT_FP32=dot_fp32, PRECISION=precision,
+        SPLIT=split, DOT_FP32=dot_fp32, PRECISION=precision, KV_FP8=kv_fp8,
         num_warps=4 if head_dim_p <= 128 else 8,
         # fp32 tiles at head_dim 256 would not fit shared memory twice over.
         num_stages=1 if q.dtype == torch.float32 and head_dim_p > 128 else 2,
