@@ -1,11 +1,11 @@
 """Structured-output specs, shared by the frontend (validation) and the worker
-(compilation): how a spec becomes an xgrammar ``Grammar``, and the cost bounds
-the frontend checks before a spec reaches the engine (issue 19: a costly spec
-compiled or matched inside a worker step stalls every stream of the batch).
-No torch here: xgrammar 0.2.9 imports it, so xgrammar is imported only inside
-the functions that parse; ``check_bounds`` never needs it. The limits come from
-timings on the 2-core CPU VM with SmolLM2's 49,152-token vocabulary
-(docs/benchmarks.md, "Hostile structured-output specs")."""
+(compilation): the cost bounds the frontend checks before a spec reaches the
+engine (issue 19: a costly spec compiled or matched inside a worker step
+stalls every stream of the batch). How a spec becomes an xgrammar ``Grammar``
+is in ``grammar_spec``. No torch here: xgrammar 0.2.9 imports it, and
+``check_bounds`` never needs it. The limits come from timings on the 2-core
+CPU VM with SmolLM2's 49,152-token vocabulary (docs/benchmarks.md, "Hostile
+structured-output specs")."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.common.grammar_spec import parse_grammar  # noqa: F401 - its home before grammar_spec
 from pagedserve.common.messages.types import StructuredSpec
 
 MAX_SPEC_CHARS = 64 * 1024  # a JSON schema's text
@@ -44,64 +45,6 @@ class GrammarBoundError(ValueError):
     def __init__(self, bound: str, limit: int, detail: str, message: str | None = None) -> None:
         super().__init__(message or f"too costly: {detail} (bound {bound}={limit})")
         self.bound = bound
-
-
-# ------------------------------------------------------------------ spec -> xgrammar
-def grammar_source(spec: StructuredSpec) -> tuple[str, str]:
-    """(method, argument) for ``xgrammar.Grammar``. JSON is compact (no free
-    whitespace: a model cannot pad it forever)."""
-    if spec.kind == "json":
-        return "json_schema", spec.spec
-    if spec.kind == "json_object":
-        return "json_object", ""
-    if spec.kind == "regex":
-        return "regex", spec.spec
-    if spec.kind == "choice":
-        choices = json.loads(spec.spec)
-        return "ebnf", "root ::= " + " | ".join(ebnf_literal(c) for c in choices)
-    if spec.kind == "grammar":
-        return "ebnf", spec.spec
-    raise ValueError(f"unknown structured output kind {spec.kind!r}")
-
-
-_EBNF_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
-
-
-def ebnf_literal(text: str) -> str:
-    return '"' + "".join(_EBNF_ESCAPES.get(ch) or (f"\\x{ord(ch):02x}" if ord(ch) < 0x20 else ch) for ch in text) + '"'
-
-
-def parse_grammar(spec: StructuredSpec) -> Any:
-    """The xgrammar ``Grammar`` of a spec (no tokenizer); raises on a bad one."""
-    import xgrammar as xgr
-
-    method, arg = grammar_source(spec)
-    if method == "json_schema":
-        return _json_strings_fixed(xgr.Grammar.from_json_schema(arg, any_whitespace=False))
-    if method == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-    if method == "regex":
-        return xgr.Grammar.from_regex(arg)
-    return xgr.Grammar.from_ebnf(arg)
-
-
-# xgrammar 0.2.9's JSON string characters let through raw control characters
-# (in strings with minLength/maxLength) and UTF-8-encoded surrogates (any string),
-# neither valid in JSON text, and a surrogate decodes to 3 replacement characters,
-# breaking maxLength. Such grammars are re-parsed with a strict class.
-_LOOSE_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
-_JSON_CHARS = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
-
-
-def _json_strings_fixed(grammar: Any) -> Any:
-    text = str(grammar)
-    if not any(c in text for c in _LOOSE_CHARS):
-        return grammar
-    import xgrammar as xgr
-
-    for c in _LOOSE_CHARS:
-        text = text.replace(c, _JSON_CHARS)
-    return xgr.Grammar.from_ebnf(text)
 
 
 # ------------------------------------------------------------------ bounds before parsing

@@ -4,13 +4,21 @@
 * ``response_format``: ``{"type": "text"}`` (nothing), ``{"type": "json_object"}``,
   ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``;
 * ``structured_outputs`` (vLLM >= 0.10): exactly one of ``json``, ``json_object``,
-  ``regex``, ``choice``, ``grammar``;
+  ``regex``, ``choice``, ``grammar``, with vLLM's options ``disable_any_whitespace``
+  (compact JSON), ``disable_additional_properties`` and ``whitespace_pattern``;
 * vLLM's older extras ``guided_json``, ``guided_regex``, ``guided_choice``,
   ``guided_grammar`` (``guided_decoding_backend`` only "xgrammar"/"auto").
 
-At most one of them per request; anything else in this family
-(``guided_whitespace_pattern``, ``functions``, ...) is refused with 400 naming
-it. Tools (``tools``, ``tool_choice``) are in ``openai_tools``.
+As in vLLM 0.32, ``response_format`` overrides the kind of ``structured_outputs``
+(its options stay), and two different kinds are a 400. guided_* fields go with
+neither (vLLM 0.32 no longer reads them at all; here they still constrain).
+Differences from vLLM, on purpose: a request's ``disable_any_whitespace`` is
+honoured (vLLM's xgrammar backend reads only the server's setting);
+``disable_additional_properties`` changes nothing, as in vLLM's xgrammar
+backend (strict mode already refuses properties a schema does not name);
+``whitespace_pattern`` is accepted and, as there, not applied. Anything else
+in this family (``guided_whitespace_pattern``, ``functions``, ...) is refused
+with 400 naming it. Tools (``tools``, ``tool_choice``) are in ``openai_tools``.
 """
 from __future__ import annotations
 
@@ -25,6 +33,8 @@ from pagedserve.v1 import generation_pb2 as pb
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _BACKENDS = ("xgrammar", "auto")
 _SO_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_SO_FLAGS = ("disable_any_whitespace", "disable_additional_properties")
+MAX_WHITESPACE_PATTERN_CHARS = 1024
 _REFUSED = {
     "functions": "the legacy functions field is not supported; send tools",
     "function_call": "the legacy function_call field is not supported; send tool_choice",
@@ -94,9 +104,33 @@ def _response_format(rf: Any, so: pb.StructuredOutputs) -> bool:
         extra = sorted(set(js) - {"name", "schema", "strict", "description"})
         if extra:
             raise ValidationError(f"{p}.json_schema.{extra[0]}", "not supported")
+        if not isinstance(js.get("name"), str):  # vLLM requires it too
+            raise ValidationError(f"{p}.json_schema.name", "a string is required")
         so.json = _schema_text(js["schema"], f"{p}.json_schema.schema")
         return True
     raise ValidationError(f"{p}.type", f"must be text, json_object or json_schema, got {kind!r}")
+
+
+def _structured_outputs(sob: Any, so: pb.StructuredOutputs) -> None:
+    p = "structured_outputs"
+    if not isinstance(sob, dict):
+        raise ValidationError(p, f"must be an object with one of {', '.join(_SO_KINDS)}")
+    unknown = sorted(k for k, v in sob.items() if v is not None and k not in (*_SO_KINDS, *_SO_FLAGS,
+                                                                               "whitespace_pattern"))
+    if unknown:
+        raise ValidationError(f"{p}.{unknown[0]}", "not supported")
+    for flag in _SO_FLAGS:
+        if sob.get(flag) is not None and not isinstance(sob[flag], bool):
+            raise ValidationError(f"{p}.{flag}", "must be a boolean")
+    pattern = sob.get("whitespace_pattern")
+    if pattern is not None and (not isinstance(pattern, str) or len(pattern) > MAX_WHITESPACE_PATTERN_CHARS):
+        raise ValidationError(f"{p}.whitespace_pattern", f"must be a string of at most "
+                                                         f"{MAX_WHITESPACE_PATTERN_CHARS} characters")
+    given = [k for k in _SO_KINDS if sob.get(k) is not None and not (k == "json_object" and sob[k] is False)]
+    if len(given) != 1:
+        raise ValidationError(p, f"exactly one of {', '.join(_SO_KINDS)} is required")
+    _set(so, given[0], sob[given[0]], f"{p}.{given[0]}")
+    so.disable_any_whitespace = sob.get("disable_any_whitespace") is True
 
 
 def apply_structured(body: dict[str, Any], sp: pb.SamplingParams) -> None:
@@ -120,21 +154,21 @@ def apply_structured(body: dict[str, Any], sp: pb.SamplingParams) -> None:
         raise ValidationError("guided_decoding_backend", f"only {' or '.join(_BACKENDS)} (xgrammar) is available")
     so = pb.StructuredOutputs()
     sources: list[str] = []
-    rf = body.get("response_format")
-    if rf is not None and _response_format(rf, so):
-        sources.append("response_format")
     sob = body.get("structured_outputs")
     if sob is not None:
-        if not isinstance(sob, dict):
-            raise ValidationError("structured_outputs", f"must be an object with one of {', '.join(_SO_KINDS)}")
-        unknown = sorted(k for k, v in sob.items() if v is not None and k not in _SO_KINDS)
-        if unknown:
-            raise ValidationError(f"structured_outputs.{unknown[0]}", "not supported")
-        given = [k for k in _SO_KINDS if sob.get(k) is not None and not (k == "json_object" and sob[k] is False)]
-        if len(given) != 1:
-            raise ValidationError("structured_outputs", f"exactly one of {', '.join(_SO_KINDS)} is required")
-        _set(so, given[0], sob[given[0]], f"structured_outputs.{given[0]}")
+        _structured_outputs(sob, so)
         sources.append("structured_outputs")
+    rf = body.get("response_format")
+    if rf is not None:
+        own = so.WhichOneof("kind")
+        kind = pb.StructuredOutputs()
+        if _response_format(rf, kind):
+            # vLLM: response_format replaces that kind; another kind beside it is two constraints.
+            if own is not None and own != kind.WhichOneof("kind"):
+                raise ValidationError("response_format", f"only one kind of structured output per request "
+                                                         f"(structured_outputs.{own} is set)")
+            so.MergeFrom(kind)
+            sources = ["response_format"]  # the kind is its: errors name it
     for name in GUIDED:
         if body.get(name) is not None:
             _set(so, name.removeprefix("guided_"), body[name], name)

@@ -2,8 +2,12 @@
 HTTP gateway maps onto it. Every spec first meets the cost bounds of
 ``common/grammar.py`` (milliseconds, no xgrammar: issue 19, a costly spec
 stalled the worker's batch), then is parsed with xgrammar exactly as the
-worker will compile it (``common.grammar.parse_grammar``). An EBNF grammar's
-text is also checked for left recursion and repetition costs. So a bad or
+worker will compile it (``common.grammar_spec.parse_grammar``, vLLM 0.32's
+xgrammar semantics). An EBNF grammar's text (a Lark grammar's after xgrammar's
+conversion, milliseconds) is also checked for left recursion and repetition
+costs. What vLLM's xgrammar backend refuses is refused the same way: a regex
+with a NUL, an empty or blank schema or grammar, a schema feature xgrammar
+cannot enforce (multipleOf, uniqueItems, ...). So a bad or
 too costly schema, regex or grammar is INVALID_ARGUMENT / 400 naming the
 field and, for a cost, the bound, never a failed or stalled engine step.
 
@@ -31,9 +35,9 @@ from pagedserve.common.grammar import (
     char_set,
     check_bounds,
     count_of,
-    parse_grammar,
     seq_ends,
 )
+from pagedserve.common.grammar_spec import JSON_KINDS, grammar_is_likely_lark, parse_grammar, unsupported_json_feature
 from pagedserve.common.graph import strongly_connected
 from pagedserve.common.messages.types import StructuredSpec
 from pagedserve.frontend.validation import ValidationError
@@ -50,21 +54,24 @@ def spec_from_proto(so: pb.StructuredOutputs) -> StructuredSpec | None:
     if kind is None:
         return None
     field = f"{FIELD}.{kind}"
+    compact = so.disable_any_whitespace and kind in JSON_KINDS  # other kinds have no JSON whitespace
     if kind == "json_object":
         if not so.json_object:
             raise ValidationError(field, "must be true when set (leave structured_outputs unset for free text)")
-        spec = StructuredSpec("json_object")
+        spec = StructuredSpec("json_object", "", compact)
     elif kind == "choice":
         choices = list(so.choice.choices)
-        if not choices or any(not c for c in choices):
-            raise ValidationError(field, f"between 1 and {MAX_CHOICES} choices of 1 to {MAX_CHOICE_CHARS} "
+        if not choices:  # an empty string is a choice, as in vLLM
+            raise ValidationError(field, f"between 1 and {MAX_CHOICES} choices of at most {MAX_CHOICE_CHARS} "
                                          "characters are required")
         spec = StructuredSpec("choice", json.dumps(choices))
     else:
         text = str(getattr(so, kind))
-        if not text:
+        if kind != "regex" and not text.strip():  # vLLM compiles an empty regex (it matches "")
             raise ValidationError(field, "must not be empty")
-        spec = StructuredSpec(kind, text)
+        if kind == "regex" and "\x00" in text:
+            raise ValidationError(field, "must not contain a NUL character ('\\x00')")
+        spec = StructuredSpec(kind, text, compact)
     check_grammar(spec, field)
     return spec
 
@@ -80,9 +87,10 @@ def check_grammar(spec: StructuredSpec, field: str) -> None:
 def _spec_error(spec: StructuredSpec) -> str | None:
     """Why ``spec`` is refused, or None (cached: a client may resend one spec often)."""
     what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar", "choice": "choice"}.get(spec.kind, spec.kind)
+    lark = spec.kind == "grammar" and grammar_is_likely_lark(spec.spec)
     try:  # before json.loads and xgrammar: both can be slow (or recurse) on hostile input
         check_bounds(spec)
-        if spec.kind == "grammar":
+        if spec.kind == "grammar" and not lark:
             check_ebnf(spec.spec)
     except GrammarBoundError as e:
         return f"{what} {e}"
@@ -93,14 +101,26 @@ def _spec_error(spec: StructuredSpec) -> str | None:
             return f"not valid JSON ({e})"
         if not isinstance(schema, (dict, bool)):
             return "a JSON schema must be an object or a boolean"
+        feature = unsupported_json_feature(schema)
+        if feature is not None:  # vLLM's xgrammar backend refuses these rather than ignore the keyword
+            return f"the JSON schema uses {feature}, which the xgrammar backend cannot enforce"
     try:
-        parse_grammar(spec)
+        grammar = parse_grammar(spec)
+        if lark:  # its bounds are read from xgrammar's EBNF of it
+            check_ebnf(_printed_ebnf(str(grammar)))
+    except GrammarBoundError as e:
+        return f"{what} {e}"
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/InvalidJSONError
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         # xgrammar prefixes "[time] /path/file.cc:line: "; keep the message.
         msg = lines[0].split(": ", 1)[-1] if lines and lines[0].startswith("[") else (lines[0] if lines else type(e).__name__)
         return f"invalid {what}: {msg[:300]}"
     return None
+
+
+def _printed_ebnf(text: str) -> str:
+    """xgrammar's printed EBNF, with its repetitions {m, -1} in the form check_ebnf reads."""
+    return re.sub(r"\{(\d+), -1\}", lambda m: {"0": "*", "1": "+"}.get(m.group(1), "{%s,}" % m.group(1)), text)
 
 
 def check_combination(spec: StructuredSpec | None, beam_width: int, ignore_eos: bool, min_tokens: int) -> None:

@@ -11,7 +11,9 @@ EOS (the scheduler finishes it) or at max_tokens.
 A recompute preemption (or any re-sent ``NewSeq``) rebuilds the matcher by
 replaying the already generated tokens; swapped sequences keep theirs; each
 sample of ``n > 1`` arrives as its own ``NewSeq`` and gets its own matcher.
-Compiled grammars are cached by spec. xgrammar is imported on first use, so a
+Compiled grammars are cached by spec (all its fields: a request's
+``disable_any_whitespace`` changes the grammar; the server's setting is one per
+worker). xgrammar is imported on first use, so a
 worker that never sees a spec does not need it.
 """
 from __future__ import annotations
@@ -35,22 +37,26 @@ class ConstrainedRow(Protocol):
     params: SamplingParams
 
 
-def compile_spec(compiler: Any, spec: StructuredSpec) -> Any:
-    """xgrammar's compiled grammar of ``spec`` (no cache: any thread)."""
-    return compiler.compile_grammar(parse_grammar(spec))
+def compile_spec(compiler: Any, spec: StructuredSpec, disable_any_whitespace: bool = False) -> Any:
+    """xgrammar's compiled grammar of ``spec`` (no cache: any thread);
+    ``disable_any_whitespace``: the server's --structured-outputs-config."""
+    return compiler.compile_grammar(parse_grammar(spec, disable_any_whitespace))
 
 
 class StructuredDecoding:
     """``tokenizer_dir``: the model folder (None: no tokenizer, every spec is
-    refused). ``vocab_size``: the logits' width."""
+    refused). ``vocab_size``: the logits' width. ``disable_any_whitespace``:
+    the server's setting (vLLM's StructuredOutputsConfig), for every JSON spec."""
 
-    def __init__(self, tokenizer_dir: str | None, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer_dir: str | None, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 disable_any_whitespace: bool = False) -> None:
         self.tokenizer_dir = tokenizer_dir
+        self.disable_any_whitespace = disable_any_whitespace
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.matchers: dict[int, Any] = {}
         self._compiler: Any = None
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache: OrderedDict[StructuredSpec, Any] = OrderedDict()
         self.compiled = 0  # grammars compiled (cache misses), for tests
 
     def compiler(self) -> Any:
@@ -66,24 +72,27 @@ class StructuredDecoding:
             self._compiler = xgr.GrammarCompiler(info, max_threads=2)
         return self._compiler
 
+    def build(self, compiler: Any, spec: StructuredSpec) -> Any:
+        """``compile_spec`` with this worker's setting (no cache: any thread)."""
+        return compile_spec(compiler, spec, self.disable_any_whitespace)
+
     def compile(self, spec: StructuredSpec) -> Any:
-        key = (spec.kind, spec.spec)
-        hit = self._cache.get(key)
+        hit = self._cache.get(spec)
         if hit is not None:
-            self._cache.move_to_end(key)
+            self._cache.move_to_end(spec)
             return hit
-        compiled = compile_spec(self.compiler(), spec)
+        compiled = self.build(self.compiler(), spec)
         self.keep(spec, compiled)
         return compiled
 
     def has(self, spec: StructuredSpec) -> bool:
-        return (spec.kind, spec.spec) in self._cache
+        return spec in self._cache
 
     def keep(self, spec: StructuredSpec, compiled: Any) -> None:
         """A compiled grammar joins the cache (also one compiled off the step path:
         grammar_compiler.AsyncCompiles)."""
         self.compiled += 1
-        self._cache[(spec.kind, spec.spec)] = compiled
+        self._cache[spec] = compiled
         if len(self._cache) > MAX_CACHED_GRAMMARS:
             self._cache.popitem(last=False)
 

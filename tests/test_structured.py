@@ -164,7 +164,9 @@ def test_tool_calls_render_in_a_plain_form_when_the_template_has_none(model_dir:
 @pytest.fixture(scope="module")
 def server(model_dir: str) -> Iterator[tuple[Server, str]]:
     port = free_port()
+    # Compact JSON server-wide (vLLM's flag): a random model given free whitespace pads it to the length limit.
     with serve("--model", model_dir, "--num-gpu-blocks", "1200", "--max-num-seqs", "64",
+               "--structured-outputs-config", '{"disable_any_whitespace": true}',
                env={"PAGEDSERVE_HTTP_PORT": str(port)}) as s:
         yield s, f"http://127.0.0.1:{port}"
 

@@ -10,8 +10,11 @@ class StructuredSpec(msgspec.Struct, frozen=True, array_like=True):
     """A grammar the output must follow; the frontend validated it, the worker
     compiles it (xgrammar) and masks the logits of every step with it."""
 
-    kind: str  # "json" (schema text) | "json_object" | "regex" | "choice" (JSON list of strings) | "grammar" (EBNF)
+    kind: str  # "json" (schema text) | "json_object" | "regex" | "choice" (JSON list of strings) | "grammar" (EBNF or Lark)
     spec: str = ""
+    # JSON kinds: compact output, no whitespace between tokens (vLLM's option; the
+    # server's --structured-outputs-config can also set it for every request).
+    disable_any_whitespace: bool = False
 
 
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

@@ -114,9 +114,10 @@ def check_output(kind: str, text: str) -> None:
 
 
 def spec(kind: str) -> StructuredSpec:
-    return {"json": StructuredSpec("json", json.dumps(SCHEMA)), "regex": StructuredSpec("regex", REGEX),
+    # Compact JSON (vLLM's disable_any_whitespace): a random model given free whitespace pads it to the length limit.
+    return {"json": StructuredSpec("json", json.dumps(SCHEMA), True), "regex": StructuredSpec("regex", REGEX),
             "choice": StructuredSpec("choice", json.dumps(CHOICES)),
-            "tool": StructuredSpec("json", json.dumps(TOOL_PARAMS))}[kind]
+            "tool": StructuredSpec("json", json.dumps(TOOL_PARAMS), True)}[kind]
 
 
 def conversation(kind: str, i: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
