@@ -322,4 +322,4 @@ class EngineClient:
         """End every open stream with an error delta (the engine is gone)."""
         now = time.monotonic()
         for rid, q in list(self._streams.items()):
-            q.put_nowait((now, fe.TokenDelta(rid, 0, [], "error", 0, error, error_kind=kind)))
+            q.put_nowait((now, fe.TokenDelta(rid, 0, [], fe.FinishReason.ERROR, 0, error, error_kind=kind)))

@@ -22,6 +22,7 @@ from typing import Any
 
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.metrics import FrontendMetrics, RequestTimes
+from pagedserve.frontend.error_table import RejectReason
 from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.engine_client import EngineClient, EngineUnavailable, Item
 from pagedserve.frontend.outputs import Chunk, Logprob, OutputState, merge_into
@@ -66,7 +67,7 @@ class FrontendConfig:
 class Rejected(Exception):
     """Refused before reaching the engine; ``reason`` is a metrics label."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: RejectReason, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 
@@ -225,20 +226,20 @@ class GenerationService:
         # the blockmgr to skip the prefix lookup for them (Allocate.skip_prefix_lookup).
         return PreparedRequest(request.request_id or uuid.uuid4().hex, ids, prep, request.cache_salt or None)
 
-    def reject(self, reason: str, message: str) -> Rejected:
+    def reject(self, reason: RejectReason, message: str) -> Rejected:
         if self.metrics:
-            self.metrics.request_rejected.labels(reason).inc()
+            self.metrics.request_rejected.labels(reason.value).inc()
         return Rejected(reason, message)
 
     async def open(self, req: PreparedRequest, key_id: str | None = None) -> "RequestStream":
         """Admit and submit; raises ``Rejected``."""
         if not self.engine.accepting:
-            raise self.reject("unavailable", "the engine is unavailable")
+            raise self.reject(RejectReason.UNAVAILABLE, "the engine is unavailable")
         if self.admission.num_queued >= self.cfg.max_queued_requests:
-            raise self.reject("queue_full", f"server busy: {self.admission.num_queued} requests queued "
+            raise self.reject(RejectReason.QUEUE_FULL, f"server busy: {self.admission.num_queued} requests queued "
                                             f"(max_queued_requests={self.cfg.max_queued_requests})")
         if key_id is not None and self.admission.per_key.get(key_id, 0) >= self.cfg.max_concurrent_per_key:
-            raise self.reject("key_concurrency", f"this API key already has {self.admission.per_key[key_id]} requests in "
+            raise self.reject(RejectReason.KEY_CONCURRENCY, f"this API key already has {self.admission.per_key[key_id]} requests in "
                                                  f"flight (max_concurrent_per_key={self.cfg.max_concurrent_per_key})")
         stream = RequestStream(self, req, key_id)
         stream.admit()  # before the await: concurrent opens must see this one
@@ -248,7 +249,7 @@ class GenerationService:
         except BaseException as e:
             stream.unadmit()
             if isinstance(e, EngineUnavailable):
-                raise self.reject("unavailable", str(e)) from e
+                raise self.reject(RejectReason.UNAVAILABLE, str(e)) from e
             raise
         return stream
 

@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagedserve.common.messages.frontend import ErrorKind
+from pagedserve.frontend.error_table import ENGINE_ERRORS, REJECTIONS
 from pagedserve.frontend.auth import ApiKeys, AuthInterceptor, metadata_value
 from pagedserve.frontend.engine_client import DuplicateRequestId, EngineUnavailable
 from pagedserve.frontend.grpc_decode import add_servicer
@@ -42,14 +42,6 @@ MAX_PENDING_CALLS = 100_000
 MAX_DETOKENIZE_IDS = 1_000_000
 
 
-# The one place an engine failure becomes a gRPC status.
-GRPC_STATUS: dict[ErrorKind, grpc.StatusCode] = {
-    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
-    ErrorKind.KV_CACHE: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorKind.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorKind.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
-}
 
 
 def logprob_pb(token_id: int, entry: Logprob) -> pb.TokenLogprob:
@@ -92,15 +84,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             stream = await self.svc.open(req, self._key_id(context))
         except Rejected as e:
-            code = grpc.StatusCode.UNAVAILABLE if e.reason == "unavailable" else grpc.StatusCode.RESOURCE_EXHAUSTED
-            await context.abort(code, str(e))
+            await context.abort(REJECTIONS[e.reason].grpc_code, str(e))
         except DuplicateRequestId:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {req.request_id!r} is already running")
         try:
             async for resp in self._responses(stream):
                 yield resp
         except EngineError as e:
-            await context.abort(GRPC_STATUS[e.kind], str(e))
+            await context.abort(ENGINE_ERRORS[e.kind].grpc_code, str(e))
         finally:
             # Cancelled, timed-out or disconnected clients land here unfinished: free everything.
             stream.close()

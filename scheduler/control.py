@@ -24,7 +24,7 @@ def handle(core: EngineCore, msg: fe.Request) -> fe.Reply | None:
     (ComponentError) still ends the loop."""
     if isinstance(msg, fe.AddRequest) and (why := check_add(msg, core.ready.model)) is not None:
         ipc.note_dropped("scheduler_in", ValueError(f"AddRequest {msg.request_id[:64]!r} refused: {why}"))
-        return fe.Outputs([fe.TokenDelta(msg.request_id, 0, [], "error", len(msg.prompt_token_ids),
+        return fe.Outputs([fe.TokenDelta(msg.request_id, 0, [], fe.FinishReason.ERROR, len(msg.prompt_token_ids),
                                          f"invalid request: {why}", error_kind=fe.ErrorKind.INVALID_REQUEST)])
     try:
         return core.handle(msg)

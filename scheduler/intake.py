@@ -44,7 +44,7 @@ class Intake:
         if req.request_id in self.groups:
             if req.resume:  # the original reached this scheduler too: it runs already
                 return
-            self._deltas.append(TokenDelta(req.request_id, 0, [], FinishReason.ERROR.value,
+            self._deltas.append(TokenDelta(req.request_id, 0, [], FinishReason.ERROR,
                                            len(req.prompt_token_ids), f"duplicate request_id {req.request_id!r}"))
             return
         p = req.params
@@ -169,7 +169,7 @@ class Intake:
         for seq in group.seqs:
             if not seq.is_finished:
                 self._finish_seq(seq, reason)
-                self._deltas.append(TokenDelta(group.request_id, seq.index, [], reason.value,
+                self._deltas.append(TokenDelta(group.request_id, seq.index, [], reason,
                                                seq.num_prompt_tokens, error, error_kind=kind))
         self._forget(group)
 

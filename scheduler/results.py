@@ -90,7 +90,7 @@ class Results:
                 continue
             seq.token_ids.append(st.token_id)
             reason = self._stop_reason(group, seq, st.token_id)
-            delta = TokenDelta(group.request_id, seq.index, [st.token_id], reason.value if reason else None,
+            delta = TokenDelta(group.request_id, seq.index, [st.token_id], reason,
                                seq.num_prompt_tokens)
             if group.params.logprobs is not None:
                 delta.logprobs = [(st.logprob if st.logprob is not None else 0.0, st.top_logprobs)]
@@ -141,7 +141,7 @@ class Results:
             for i, hyp in enumerate(beam.results(max(1, group.params.n))):
                 reason = FinishReason.STOP if hyp.token_ids and hyp.token_ids[-1] in self.cfg.eos_token_ids \
                     else FinishReason.LENGTH
-                self._deltas.append(TokenDelta(group.request_id, i, hyp.token_ids, reason.value,
+                self._deltas.append(TokenDelta(group.request_id, i, hyp.token_ids, reason,
                                                live[0].num_prompt_tokens, replace=True,
                                                cumulative_logprob=hyp.score, num_preemptions=group.num_preemptions))
             self.running.remove(group)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pagedserve.common.messages.frontend import FinishReason  # noqa: F401 - the scheduler's name for it
 from pagedserve.common.messages.types import SamplingParams
 from pagedserve.scheduler.beam import BeamSearch
 
@@ -18,13 +19,6 @@ class SeqStatus(enum.Enum):
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
 
 
 @dataclass(eq=False)

@@ -4,6 +4,8 @@ logprobs / n > 1 / beam replace, admission bounds and API keys, driven
 through GenerationService with a scripted engine."""
 from __future__ import annotations
 
+from pagedserve.frontend.error_table import RejectReason
+
 import asyncio
 import time
 from pathlib import Path
@@ -232,7 +234,7 @@ def test_queue_bound_and_per_key_cap(tok: Any) -> None:
         await svc.open(_req(svc, "b"))
         with pytest.raises(Rejected) as e:
             await svc.open(_req(svc, "c"))
-        assert e.value.reason == "queue_full" and "max_queued_requests=2" in str(e.value)
+        assert e.value.reason is RejectReason.QUEUE_FULL and "max_queued_requests=2" in str(e.value)
         eng.push(fe.TokenDelta("a", 0, [300]))  # a leaves the queue with its first token
         await a.next()
         await svc.open(_req(svc, "c"))
@@ -244,14 +246,14 @@ def test_queue_bound_and_per_key_cap(tok: Any) -> None:
         s2 = await svc2.open(_req(svc2, "x2"), "k1")
         with pytest.raises(Rejected) as e2:
             await svc2.open(_req(svc2, "x3"), "k1")
-        assert e2.value.reason == "key_concurrency"
+        assert e2.value.reason is RejectReason.KEY_CONCURRENCY
         await svc2.open(_req(svc2, "y1"), "k2")
         s2.close()
         await svc2.open(_req(svc2, "x3"), "k1")
         eng2.healthy = eng2.accepting = False  # a component recovers
         with pytest.raises(Rejected) as e3:
             await svc2.open(_req(svc2, "z"), "k3")
-        assert e3.value.reason == "unavailable"
+        assert e3.value.reason is RejectReason.UNAVAILABLE
 
     asyncio.run(go())
 

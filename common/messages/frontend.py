@@ -13,9 +13,18 @@ from pagedserve.common.blocks import kv_usage, usable_gpu_blocks
 from pagedserve.common.messages.types import ModelInfo, SamplingParams
 
 
+class FinishReason(str, enum.Enum):
+    """Why an output ended, on the wire as its value (msgpack: the string)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
 class ErrorKind(enum.IntEnum):
     """Why the engine failed a request; the frontend maps it to a status code
-    (frontend/server.py, GRPC_STATUS) instead of reading the message."""
+    (frontend/error_table.py, ENGINE_ERRORS: gRPC, HTTP and OpenAI type) instead of reading the message."""
 
     INTERNAL = 0
     KV_CACHE = 1  # the request can never fit in the KV pool
@@ -58,7 +67,7 @@ class TokenDelta(msgspec.Struct, array_like=True):
     request_id: str
     index: int  # which of the request's n outputs
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     error: str | None = None
     # One entry per token in token_ids when params.logprobs is set:
