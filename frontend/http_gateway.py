@@ -232,6 +232,12 @@ class Gateway:
         x = openai_extras.parse(body, chat, self.opts, self._limits().vocab_size, request.headers.get("X-Request-Id"))
         return x if x.request_id else replace(x, request_id=uuid.uuid4().hex)
 
+    def _capped(self, max_tokens: Any) -> Any:
+        """vLLM's override_max_tokens (a generation config's max_new_tokens) caps every request."""
+        cap = self.opts.override_max_tokens
+        ok = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
+        return min(max_tokens, cap) if cap is not None and ok else max_tokens
+
     def _options(self, x: Extras, default_max_tokens: int | None = None) -> InputOptions:
         return InputOptions(add_special_tokens=x.add_special_tokens, truncate=x.truncate,
                             truncate_left=x.truncate_left, clamp_max_tokens=True,
@@ -274,6 +280,7 @@ class Gateway:
         # vLLM's CompletionRequest: max_tokens 16 when absent or null; 0 with echo answers the prompt alone.
         max_tokens = body.get("max_tokens")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+        max_tokens = self._capped(max_tokens)
         echo_only = x.echo and max_tokens == 0
         reqs = []
         for prompt in prompts:
@@ -320,6 +327,7 @@ class Gateway:
 
         max_tokens = body.get("max_completion_tokens")
         max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+        max_tokens = None if max_tokens is None else self._capped(max_tokens)
         await self._sampling_off_loop(body, req, max_tokens, enforce_tools, grammar=tool_mode is not None)
         sp = req.sampling_params
         if x.logprobs is not None:
