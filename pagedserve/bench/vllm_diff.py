@@ -16,10 +16,8 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,17 +26,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pagedserve.bench.peer_engines import PEERS_VENV, vllm_cpu_env
-from pagedserve.bench.serve_proc import free_port, start_serve
+from pagedserve.bench.serve_proc import start_serve
 from pagedserve.bench.vllm_diff_compare import compare, normalize
 from pagedserve.bench.vllm_diff_corpus import CHAT, STATUS, Case, basic_cases
 from pagedserve.bench.vllm_diff_invalid import invalid_cases
 from pagedserve.bench.vllm_diff_tools import structured_cases, tool_cases
-from pagedserve.bench.vllm_server import VllmServer
+from pagedserve.bench.vllm_server import VllmServer, start_vllm_serve
 
 SERVED = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 2048
-TOOL_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 # What acceptance 1 requires; the other kinds (text, logprobs, usage, ...) are reported.
 REQUIRED = {"status": "same HTTP status", "n_choices": "token ids", "token_ids": "token ids",
             "ids_missing": "token ids", "tool_calls": "tool_calls", "finish_reason": "finish_reason"}
@@ -54,36 +51,8 @@ def all_cases() -> list[Case]:
 
 def start_vllm(model_dir: str) -> VllmServer:
     """vLLM's api_server as bench serving's peer (vllm_server.py), plus the tool flags and a 1 GiB KV cache."""
-    python = PEERS_VENV / "bin" / "python"
-    if not python.is_file():
-        raise FileNotFoundError(f"{python} not found: run scripts/setup-peers.sh")
-    port = free_port()
-    # -I and a neutral cwd: this repository's top-level folders would shadow vLLM's imports.
-    cmd = [str(python), "-I", "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--served-model-name", SERVED,
-           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--seed", "0", *TOOL_FLAGS]
-    env = {**os.environ, **vllm_cpu_env(), "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=tempfile.gettempdir())
-    srv = VllmServer(proc, f"http://127.0.0.1:{port}")
-
-    def reader() -> None:  # keeps draining, or the server blocks on a full pipe
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            srv.log.append(line)
-
-    threading.Thread(target=reader, daemon=True).start()
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(srv.url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return srv
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1.0)
-    srv.stop()
-    raise RuntimeError("vllm api_server did not become healthy:\n" + "".join(srv.log[-40:]))
+    kv = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    return start_vllm_serve(model_dir, SERVED, MAX_MODEL_LEN, 8, extra_args=TOOL_FLAGS, extra_env=kv)
 
 
 def _post(url: str, data: bytes, stream: bool) -> dict[str, Any]:

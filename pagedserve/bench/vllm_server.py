@@ -43,7 +43,8 @@ def _healthy(url: str) -> bool:
 
 
 def start_vllm_serve(model_dir: str, served_name: str, max_model_len: int, max_num_seqs: int,
-                     python: Path = PEERS_VENV / "bin" / "python", timeout_s: float = 900.0) -> VllmServer:
+                     python: Path = PEERS_VENV / "bin" / "python", timeout_s: float = 900.0,
+                     extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> VllmServer:
     import os
 
     if not python.is_file():
@@ -55,9 +56,9 @@ def start_vllm_serve(model_dir: str, served_name: str, max_model_len: int, max_n
     # would otherwise shadow vLLM's imports of packages with the same names.
     cmd = [str(python), "-I", "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--served-model-name", served_name,
-           "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", "0"]
+           "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", "0", *extra_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **vllm_cpu_env()}, cwd=tempfile.gettempdir())
+                            env={**os.environ, **vllm_cpu_env(), **(extra_env or {})}, cwd=tempfile.gettempdir())
     srv = VllmServer(proc, f"http://127.0.0.1:{port}")
 
     def reader() -> None:  # keeps draining, or the server blocks on a full pipe
