@@ -20,6 +20,8 @@ race with them.
 """
 from __future__ import annotations
 
+from pagedserve.blockmgr.kv_events import KVEventLog
+
 
 class Block:
     """One physical block. ``block_hash`` is set only while the block is
@@ -99,7 +101,8 @@ class BlockPool:
     """A pool of ``num_blocks`` blocks; ids below ``first_usable`` are
     reserved (the GPU pool reserves block 0 as the null block)."""
 
-    def __init__(self, num_blocks: int, first_usable: int = 0) -> None:
+    def __init__(self, num_blocks: int, first_usable: int = 0, medium: str = "GPU",
+                 events: KVEventLog | None = None) -> None:
         if num_blocks < first_usable:
             raise ValueError(f"pool of {num_blocks} blocks cannot reserve {first_usable}")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -110,6 +113,8 @@ class BlockPool:
         self.num_shared_refs = 0  # sum over blocks of max(ref_cnt - 1, 0)
         self.hold_ids: set[int] = set()  # blocks a copy of this step touches
         self.held: list[Block] = []  # of those, the ones freed this step
+        self.medium = medium  # what KV events call this pool
+        self.events = events  # hears every change of ``cached`` (None: events off)
 
     @property
     def num_free(self) -> int:
@@ -120,6 +125,8 @@ class BlockPool:
         b = self.free.pop_head()
         if b.block_hash is not None:
             del self.cached[b.block_hash]
+            if self.events is not None:
+                self.events.removed(b.block_hash, self.medium)
             b.block_hash = None
         b.ref_cnt = 1
         return b
@@ -168,8 +175,14 @@ class BlockPool:
         h = b.pending_hash
         b.pending_hash = None
         if h is not None and b.ref_cnt > 0 and b.block_hash is None and h not in self.cached:
-            b.block_hash = h
-            self.cached[h] = b
+            self.register(b, h)
+
+    def register(self, b: Block, key: bytes) -> None:
+        """``b`` holds the content keyed ``key`` from now on."""
+        b.block_hash = key
+        self.cached[key] = b
+        if self.events is not None:
+            self.events.stored(key, self.medium)
 
     def check(self, name: str, expected_refs: dict[int, int]) -> None:
         """Integrity: free + used == usable, ref counts exact, cache coherent."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 from pagedserve.blockmgr.block_pool import Block, BlockPool
 from pagedserve.blockmgr.prefix_cache import hash_block, lookup_prefix, root_key
 from pagedserve.blockmgr.seq_table import BlockManagerError, SeqTable
+from pagedserve.blockmgr.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventBatch, KVEventLog
 from pagedserve.blockmgr.swap import SwapOps
 from pagedserve.common.blocks import NULL_BLOCK, NUM_RESERVED_GPU_BLOCKS, cdiv, usable_gpu_blocks
 from pagedserve.common.messages.blockmgr import (
@@ -68,6 +69,7 @@ class BlockManager(SwapOps):
         block_size: int,
         enable_prefix_caching: bool = True,
         watermark: float = DEFAULT_WATERMARK,
+        kv_events: bool = False,
     ) -> None:
         if num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be at least 2 (block 0 is the null block)")
@@ -79,11 +81,15 @@ class BlockManager(SwapOps):
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark = watermark
         self.watermark_blocks = int(watermark * usable_gpu_blocks(num_gpu_blocks))
+        # vLLM-format KV events of the prefix cache's changes (kv_events.py); the service publishes them
+        self.events = KVEventLog(block_size) if kv_events and enable_prefix_caching else None
         self.reset()
 
     def reset(self) -> None:
-        self.gpu = BlockPool(self.num_gpu_blocks, first_usable=NUM_RESERVED_GPU_BLOCKS)
-        self.cpu = BlockPool(self.num_cpu_blocks)
+        if self.events is not None:
+            self.events.cleared()
+        self.gpu = BlockPool(self.num_gpu_blocks, NUM_RESERVED_GPU_BLOCKS, MEDIUM_GPU, self.events)
+        self.cpu = BlockPool(self.num_cpu_blocks, 0, MEDIUM_CPU, self.events)
         self.seqs: dict[int, SeqTable] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -160,6 +166,12 @@ class BlockManager(SwapOps):
             for b in self._pending:
                 commit(b)
             self._pending = []
+        if self.events is not None:
+            self.events.forget_uncached(set())
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The KV events since the last call, as one vLLM ``KVEventBatch``."""
+        return self.events.take_batch() if self.events is not None else None
 
     # ---- fine-grained operations -------------------------------------------
 
@@ -216,7 +228,9 @@ class BlockManager(SwapOps):
             self.prefix_cache_queries += queried
             self.prefix_cache_hits += len(hits)
             for i in range(len(hits), total // bs):  # blocks this step fills
-                key = hash_block(key, token_ids[i * bs:(i + 1) * bs])
+                parent, key = key, hash_block(key, token_ids[i * bs:(i + 1) * bs])
+                if self.events is not None:
+                    self.events.keyed(key, parent, token_ids[i * bs:(i + 1) * bs])
                 table[i].pending_hash = key
                 self._pending.append(table[i])
             tail = token_ids[(total // bs) * bs:total]
@@ -274,7 +288,9 @@ class BlockManager(SwapOps):
             if len(tail) >= bs:  # one or more blocks filled: key them
                 key = s.last_key
                 while len(tail) >= bs:
-                    key = hash_block(key, tail[:bs])
+                    parent, key = key, hash_block(key, tail[:bs])
+                    if self.events is not None:
+                        self.events.keyed(key, parent, tail[:bs])
                     b = table[i]
                     b.pending_hash = key
                     self._pending.append(b)

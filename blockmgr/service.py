@@ -18,7 +18,9 @@ from types import FrameType
 
 import zmq
 
+from pagedserve.blockmgr.kv_publisher import KVEventPublisher
 from pagedserve.blockmgr.manager import BlockManager
+from pagedserve.common.kv_events_config import KVEventsConfig
 from pagedserve.common.config import add_address_args, add_engine_args, addresses_from_args, check_addresses
 from pagedserve.common.ipc import BadFrame, RepServer
 from pagedserve.common.metrics import add_metrics_arg, serve_blockmgr_metrics
@@ -36,8 +38,9 @@ log = logging.getLogger("pagedserve.blockmgr")
 
 
 class _Handler:
-    def __init__(self) -> None:
+    def __init__(self, kv_events: bool = False) -> None:
         self.mgr: BlockManager | None = None
+        self.kv_events = kv_events
 
     def handle(self, msg: object) -> object:
         if type(msg) is StepRequest:
@@ -46,7 +49,8 @@ class _Handler:
             return self.mgr.step(msg)
         if isinstance(msg, InitRequest):
             self.mgr = BlockManager(
-                msg.num_gpu_blocks, msg.num_cpu_blocks, msg.block_size, msg.enable_prefix_caching, msg.watermark
+                msg.num_gpu_blocks, msg.num_cpu_blocks, msg.block_size, msg.enable_prefix_caching, msg.watermark,
+                kv_events=self.kv_events,
             )
             gc.collect()
             gc.freeze()  # the block objects live forever: keep them out of GC scans
@@ -61,7 +65,8 @@ class _Handler:
         return ErrorReply(f"unexpected message {type(msg).__name__}")
 
 
-def serve(addr: str, metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
+def serve(addr: str, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+          kv_events: KVEventsConfig | None = None) -> int:
     stop = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -71,12 +76,15 @@ def serve(addr: str, metrics_port: int | None = None, metrics_host: str = "127.0
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     ctx = zmq.Context()
     server: RepServer[Request] = RepServer(ctx, addr, Request, pin_on=(InitRequest,))
-    handler = _Handler()
+    publisher = KVEventPublisher(ctx, kv_events) if kv_events is not None and kv_events.enabled else None
+    handler = _Handler(kv_events=publisher is not None)
     serve_blockmgr_metrics(metrics_port, lambda: handler.mgr, metrics_host)
     log.info("blockmgr listening on %s", addr)
     try:
         while not stop:
-            if not server.poll(100):
+            if publisher is not None:
+                publisher.serve_replay()
+            if not server.poll(20 if publisher is not None else 100):
                 continue
             try:
                 msg = server.recv()
@@ -88,7 +96,12 @@ def serve(addr: str, metrics_port: int | None = None, metrics_host: str = "127.0
             except Exception as e:  # noqa: BLE001 - every failure becomes a reply
                 reply = ErrorReply(f"{type(e).__name__}: {e}")
             server.send(reply)  # type: ignore[arg-type]
+            batch = handler.mgr.take_kv_events() if publisher is not None and handler.mgr is not None else None
+            if batch is not None:
+                publisher.publish(batch)  # type: ignore[union-attr]
     finally:
+        if publisher is not None:
+            publisher.close()
         server.close()
         ctx.term()
         for s, h in old.items():
@@ -104,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     check_addresses(addresses_from_args(args), "blockmgr")  # fail fast (issue 19), as the others do
     logging.basicConfig(level=logging.INFO, format="%(asctime)s blockmgr %(levelname)s %(message)s")
-    return serve(args.blockmgr_addr, args.metrics_port, args.metrics_host)
+    return serve(args.blockmgr_addr, args.metrics_port, args.metrics_host, args.kv_events_config)
 
 
 if __name__ == "__main__":

@@ -113,8 +113,7 @@ class SwapOps:
                     else:
                         mapping.append((self._cow_src.get(b.block_id, b.block_id), d.block_id))
                         if key is not None:  # swap-outs run before anything reuses it
-                            d.block_hash = key
-                            dst.cached[key] = d
+                            dst.register(d, key)
                 moved[b.block_id] = d
                 new_table.append(d)
             for b in reversed(s.table):

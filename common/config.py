@@ -18,6 +18,7 @@ from pagedserve.common import curve
 from pagedserve.common.env import env, env_flag, env_int
 from pagedserve.common.messages.blockmgr import DEFAULT_WATERMARK
 from pagedserve.common.rundir import default_run_dir
+from pagedserve.common.kv_events_config import KVEventsConfig, parse_kv_events_config
 from pagedserve.common.structured_config import StructuredOutputsConfig, parse_structured_outputs_config
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
@@ -91,6 +92,8 @@ class EngineConfig:
     seed: int = 0
     # vLLM's --structured-outputs-config (the worker compiles grammars with it)
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    # vLLM's --kv-events-config (the blockmgr publishes BlockStored/BlockRemoved batches)
+    kv_events_config: KVEventsConfig = KVEventsConfig()
     # frontend bounds
     max_prompt_chars: int = 1_000_000
     max_stop_ids: int = 64
@@ -292,6 +295,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=parse_structured_outputs_config, metavar="JSON",
         text='vLLM\'s structured-output settings, e.g. \'{"disable_any_whitespace": true}\' (compact JSON '
              'outputs); backend auto or xgrammar')
+    arg("--kv-events-config", env_name="KV_EVENTS_CONFIG", default=d.kv_events_config,
+        type=parse_kv_events_config, metavar="JSON",
+        text='vLLM\'s KV cache events, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+             '"replay_endpoint": "tcp://*:5558"}\': the blockmgr publishes BlockStored/BlockRemoved/'
+             'AllBlocksCleared batches as vLLM does (msgpack over ZeroMQ PUB); default endpoint loopback')
     arg("--enforce-eager", env_name="ENFORCE_EAGER", default=env_flag("ENFORCE_EAGER", False),
         action="store_true", text="never capture CUDA graphs")
     arg("--tensor-parallel-size", "-tp", env_name="TENSOR_PARALLEL_SIZE", default=d.tensor_parallel_size,

@@ -1,0 +1,208 @@
+"""Issue 22, acceptance 1: the blockmgr's KV events, read by a consumer written
+against vLLM's published event classes (tests/vllm_kv_events_ref.py, and the
+peer venv's own module where it is installed). Every block stored or removed
+shows up, in order, with no gap in the sequence numbers; the hashes are the
+same on every replica (recomputed here from the tokens alone)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from e2e_util import serve, wait_all_free
+from models import make_tiny_model
+from vllm_kv_events_ref import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decoder
+
+from pagedserve.blockmgr.kv_events import external_hash
+from pagedserve.blockmgr.manager import BlockManager, hash_block
+from pagedserve.common.kv_events_config import KVEventsConfig, parse_kv_events_config
+
+PEERS_PY = Path(__file__).resolve().parents[1] / ".venv-peers" / "bin" / "python"
+
+
+def _decode(mgr: BlockManager) -> list[object]:
+    batch = mgr.take_kv_events()
+    if batch is None:
+        return []
+    return list(decoder.decode(msgspec.msgpack.encode(batch)).events)
+
+
+def _chain(tokens: list[int], bs: int) -> list[tuple[int, int | None, list[int]]]:
+    """(hash, parent hash, block tokens) of each full block, as any replica computes them."""
+    out: list[tuple[int, int | None, list[int]]] = []
+    key, parent = b"", None
+    for i in range(len(tokens) // bs):
+        block = tokens[i * bs:(i + 1) * bs]
+        key = hash_block(key, block)
+        out.append((external_hash(key), parent, block))
+        parent = external_hash(key)
+    return out
+
+
+def test_block_manager_events_with_exact_blocks() -> None:
+    """4 usable blocks of 4 tokens: stored on the step after the fill, removed on eviction, cleared on reset."""
+    mgr = BlockManager(num_gpu_blocks=5, num_cpu_blocks=0, block_size=4, kv_events=True)
+    assert [type(e) for e in _decode(mgr)] == [AllBlocksCleared]
+    a = list(range(1, 11))  # 10 tokens: two full blocks and a partial one
+    mgr.begin_step()
+    mgr.allocate(1, a, len(a))
+    assert mgr.block_table(1) == [1, 2, 3]
+    assert _decode(mgr) == [], "a block is stored only once its step has written it"
+    mgr.begin_step()
+    (h1, p1, t1), (h2, p2, t2) = _chain(a, 4)
+    assert _decode(mgr) == [BlockStored([h1], None, t1, 4, None, "GPU", None),
+                            BlockStored([h2], h1, t2, 4, None, "GPU", None)]
+    mgr.free(1)  # free queue now 3 4 2 1: unkeyed block 3 first, then the cached ones, chain tail first
+    b = list(range(20, 32))
+    mgr.allocate(2, b, len(b))
+    assert mgr.block_table(2) == [3, 4, 2]
+    assert _decode(mgr) == [BlockRemoved([h2], "GPU")], "taking block 2 evicts its key"
+    mgr.begin_step()
+    assert _decode(mgr) == [BlockStored([h], p, t, 4, None, "GPU", None) for h, p, t in _chain(b, 4)]
+    mgr.reset()
+    assert [type(e) for e in _decode(mgr)] == [AllBlocksCleared]
+
+
+def test_prefix_hits_store_nothing_twice() -> None:
+    mgr = BlockManager(num_gpu_blocks=9, num_cpu_blocks=0, block_size=4, kv_events=True)
+    _decode(mgr)
+    prompt = list(range(1, 10))
+    mgr.begin_step()
+    mgr.allocate(1, prompt, len(prompt))
+    mgr.begin_step()
+    assert len(_decode(mgr)) == 2
+    r = mgr.allocate(2, prompt, len(prompt))
+    assert r.num_cached_tokens == 8 and mgr.block_table(2)[:2] == mgr.block_table(1)[:2] == [1, 2]
+    mgr.begin_step()
+    assert _decode(mgr) == [], "a hit is no new block"
+
+
+def test_the_flag_takes_vllms_keys() -> None:
+    cfg = parse_kv_events_config('{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",'
+                                 ' "replay_endpoint": "tcp://*:5558", "buffer_steps": 100, "topic": "kv"}')
+    assert cfg.enabled and cfg.endpoint == "tcp://*:5557" and cfg.buffer_steps == 100
+    assert parse_kv_events_config(str(cfg)) == cfg
+    assert not KVEventsConfig().enabled and KVEventsConfig().endpoint.startswith("tcp://127.0.0.1:")
+    assert not parse_kv_events_config('{"enable_kv_cache_events": true, "publisher": "null"}').enabled
+    for bad in ('{"enable": true}', '{"buffer_steps": 0}', '{"endpoint": "http://x"}', "[1]", '{"publisher": "kafka"}'):
+        with pytest.raises(Exception, match="."):
+            parse_kv_events_config(bad)
+
+
+def _replay(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start: int) -> list[tuple[int, bytes]]:
+    """vLLM's replay protocol. A DEALER with the REQ envelope (an empty frame):
+    a REQ socket would take only the first of the many replies."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(endpoint)
+    sock.send_multipart((b"", start.to_bytes(8, "big")))
+    got: list[tuple[int, bytes]] = []
+    while True:
+        _, _, seq_bytes, payload = sock.recv_multipart()
+        seq = int.from_bytes(seq_bytes, "big", signed=True)
+        if seq == -1:
+            break
+        got.append((seq, payload))
+    sock.close(0)
+    return got
+
+
+def test_a_mixed_run_is_read_in_order_without_gaps(tmp_path: Path) -> None:
+    model_dir = make_tiny_model(tmp_path / "m", "llama", seed=0)
+    pub, rep = f"ipc://{tmp_path}/kv.pub", f"ipc://{tmp_path}/kv.replay"
+    cfg = f'{{"enable_kv_cache_events": true, "endpoint": "{pub}", "replay_endpoint": "{rep}", "topic": "kv"}}'
+    bs = 8
+    shared = list(range(100, 124))  # 3 blocks every second prompt shares
+    prompts = [(shared if i % 2 else []) + [200 + 7 * i + j for j in range(5 + 6 * i)] for i in range(8)]
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    live: list[tuple[int, bytes]] = []
+    stop = threading.Event()
+    # 15 usable blocks of 8 for prompts up to 71 tokens, 4 at a time: evictions and preemptions happen
+    with serve("--model", model_dir, "--block-size", str(bs), "--num-gpu-blocks", "16", "--max-num-seqs", "4",
+               "--kv-events-config", cfg) as server:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        sub.connect(pub)
+
+        def listen() -> None:
+            while not stop.is_set():
+                if sub.poll(50):
+                    topic, seq, payload = sub.recv_multipart()
+                    live.append((int.from_bytes(seq, "big"), payload))
+
+        t = threading.Thread(target=listen, daemon=True)
+        t.start()
+        time.sleep(0.5)  # PUB drops what a subscriber not yet joined misses; the replay has it
+        outputs: list[list[int]] = [[] for _ in prompts]
+
+        def one(i: int) -> None:
+            with server.client() as c:
+                outputs[i] = list(c.generate(prompts[i], max_tokens=6 + i, temperature=0.0, ignore_eos=True,
+                                             timeout=120)[0])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wait_all_free(server)
+        with server.client() as c:  # one more step, so the last fills are committed and published
+            c.generate([1, 2, 3], max_tokens=2, temperature=0.0)
+        wait_all_free(server)
+        time.sleep(0.5)
+        stop.set()
+        t.join()
+        replayed = _replay(ctx, rep, 0)
+        sub.close(0)
+    ctx.term()
+
+    seqs = [s for s, _ in replayed]
+    assert seqs == list(range(len(seqs))) and len(seqs) > 3, "replay from 0: every batch, no gap"
+    by_seq = dict(replayed)
+    assert live and all(by_seq[s] == p for s, p in live), "what the subscriber got live is the replayed stream"
+    assert [s for s, _ in live] == list(range(live[0][0], live[0][0] + len(live))), "live: in order, no gap"
+    batches = [decoder.decode(p) for _, p in replayed]
+    assert all(isinstance(b, KVEventBatch) and b.data_parallel_rank == 0 for b in batches)
+    events = [e for b in batches for e in b.events]
+    assert isinstance(events[0], AllBlocksCleared)
+    expected = {h: (p, t) for ids, out in zip(prompts, outputs) for h, p, t in _chain(ids + out[:-1], bs)}
+    expected.update({h: (p, t) for h, p, t in _chain([1, 2, 3], bs)})
+    cached: set[int] = set()
+    stored: set[int] = set()
+    for e in events[1:]:
+        assert not isinstance(e, AllBlocksCleared)
+        (h,) = e.block_hashes
+        if isinstance(e, BlockStored):
+            assert e.medium == "GPU" and e.block_size == bs and h not in cached, "stored once while cached"
+            assert expected[h] == (e.parent_block_hash, e.token_ids), "the hash every replica computes"
+            cached.add(h)
+            stored.add(h)
+        else:
+            assert isinstance(e, BlockRemoved) and h in cached, "removed only after stored"
+            cached.remove(h)
+    assert stored == set(expected), "every full block of every sequence was stored"
+    assert any(isinstance(e, BlockRemoved) for e in events), "the small pool evicted"
+    if PEERS_PY.exists():  # vLLM's own classes decode the same stream
+        blob = tmp_path / "payloads.msgpack"
+        blob.write_bytes(msgspec.msgpack.encode([p for _, p in replayed]))
+        code = ("import sys, msgspec; from vllm.distributed.kv_events import KVEventBatch; "
+                "d = msgspec.msgpack.Decoder(KVEventBatch); "
+                "bs = [d.decode(p) for p in msgspec.msgpack.decode(open(sys.argv[1], 'rb').read())]; "
+                "print(sum(type(e).__name__ == 'BlockStored' for b in bs for e in b.events), "
+                "sum(type(e).__name__ == 'BlockRemoved' for b in bs for e in b.events))")
+        out = subprocess.run([str(PEERS_PY), "-c", code, str(blob)], capture_output=True, text=True, timeout=300,
+                             cwd=tmp_path,  # not the repo root, whose kernels/ folder transformers would import
+                             env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        n_stored = sum(isinstance(e, BlockStored) for e in events)
+        n_removed = sum(isinstance(e, BlockRemoved) for e in events)
+        assert out.stdout.split() == [str(n_stored), str(n_removed)]
+    else:
+        print(f"vLLM's own classes not checked: no peer venv at {PEERS_PY} (scripts/setup-peers.sh)",
+              file=sys.stderr)
