@@ -29,6 +29,7 @@ from pagedserve.frontend.openai_args import add_openai_args, build_options, chec
 from pagedserve.frontend.server import SERVICE_NAME, health_status, serve, server_credentials
 from pagedserve.frontend.shutdown import StopSignals, drain
 from pagedserve.frontend.stats_log import log_stats_every
+from pagedserve.frontend.tokenizer import load as load_tokenizer
 from pagedserve.frontend.vllm_metrics import add_vllm_metrics
 
 log = logging.getLogger("pagedserve.frontend")
@@ -46,14 +47,11 @@ def _bind(host: str, port: int, flag: str) -> None:
 
 
 async def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     cfg = config_from_args(args)
     model_dir = resolve_model(cfg.model)
-    # --tokenizer (serve hands over a folder) for every API; slow: the Python tokenizer.
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.tokenizer) if cfg.tokenizer else model_dir,
-                                              use_fast=cfg.tokenizer_mode != "slow",
-                                              trust_remote_code=cfg.trust_remote_code)
+    # --tokenizer (serve hands over a folder) for every API; slow: the Python tokenizer (transformers').
+    tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else model_dir,
+                               slow=cfg.tokenizer_mode == "slow", trust_remote_code=cfg.trust_remote_code)
     opts = build_options(args, model_dir, len(tokenizer))
     if opts.chat_template is not None:
         tokenizer.chat_template = opts.chat_template  # chat, /tokenize and gRPC all render through it
@@ -112,7 +110,7 @@ async def run(args: argparse.Namespace) -> int:
             return 0
         start.result()
         engine.watch(args.health_interval, args.health_timeout, set_health)
-        # Everything loaded so far (torch, transformers, the tokenizer) lives as
+        # Everything loaded so far (the tokenizer, grpc, aiohttp) lives as
         # long as the process: out of the collector's reach, a full collection
         # (set off by, say, a 200k-id prompt) stops the event loop for ms, not
         # the ~100 ms measured once in CI between two tokens of another stream.
