@@ -3,16 +3,15 @@ HTTP gateway maps onto it. Every spec first meets the cost bounds of
 ``common/grammar.py`` (milliseconds, no xgrammar: issue 19, a costly spec
 stalled the worker's batch), then is parsed with xgrammar exactly as the
 worker will compile it (``common.grammar_spec.parse_grammar``, vLLM 0.32's
-xgrammar semantics). An EBNF grammar's text (a Lark grammar's after xgrammar's
+xgrammar semantics), in the frontend's grammar-check process
+(``grammar_check``: xgrammar imports torch, which stays out of the frontend
+process, issue 21). An EBNF grammar's text (a Lark grammar's after xgrammar's
 conversion, milliseconds) is also checked for left recursion and repetition
 costs. What vLLM's xgrammar backend refuses is refused the same way: a regex
 with a NUL, an empty or blank schema or grammar, a schema feature xgrammar
 cannot enforce (multipleOf, uniqueItems, ...). So a bad or
 too costly schema, regex or grammar is INVALID_ARGUMENT / 400 naming the
-field and, for a cost, the bound, never a failed or stalled engine step.
-
-xgrammar 0.2.9 imports torch, so the first spec that passes the bounds
-imports both (about 2 s, once); nothing else here does."""
+field and, for a cost, the bound, never a failed or stalled engine step."""
 from __future__ import annotations
 
 import functools
@@ -37,9 +36,10 @@ from pagedserve.common.grammar import (
     count_of,
     seq_ends,
 )
-from pagedserve.common.grammar_spec import JSON_KINDS, grammar_is_likely_lark, parse_grammar, unsupported_json_feature
+from pagedserve.common.grammar_spec import JSON_KINDS, grammar_is_likely_lark, unsupported_json_feature
 from pagedserve.common.graph import strongly_connected
 from pagedserve.common.messages.types import StructuredSpec
+from pagedserve.frontend.grammar_check import GrammarSyntaxError, parse_grammar
 from pagedserve.frontend.validation import ValidationError
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -105,15 +105,15 @@ def _spec_error(spec: StructuredSpec) -> str | None:
         if feature is not None:  # vLLM's xgrammar backend refuses these rather than ignore the keyword
             return f"the JSON schema uses {feature}, which the xgrammar backend cannot enforce"
     try:
-        grammar = parse_grammar(spec)
+        printed = parse_grammar(spec)
         if lark:  # its bounds are read from xgrammar's EBNF of it
-            check_ebnf(_printed_ebnf(str(grammar)))
+            check_ebnf(_printed_ebnf(printed))
     except GrammarBoundError as e:
         return f"{what} {e}"
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/InvalidJSONError
+    except GrammarSyntaxError as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         # xgrammar prefixes "[time] /path/file.cc:line: "; keep the message.
-        msg = lines[0].split(": ", 1)[-1] if lines and lines[0].startswith("[") else (lines[0] if lines else type(e).__name__)
+        msg = lines[0].split(": ", 1)[-1] if lines and lines[0].startswith("[") else (lines[0] if lines else e.kind)
         return f"invalid {what}: {msg[:300]}"
     return None
 

@@ -243,9 +243,8 @@ def test_the_frontend_package_does_not_import_torch(tmp_path: Path) -> None:
     assert not heavy, f"the frontend's modules imported {heavy[:10]}"
 
 
-@pytest.mark.xfail(strict=False, reason="the frontend parses specs with xgrammar (common/grammar.parse_grammar), "
-                                        "whose tvm_ffi imports torch whenever it is installed")
 def test_validating_a_structured_output_spec_does_not_import_torch(tmp_path: Path) -> None:
+    """xgrammar's parse runs in the frontend's grammar-check child (frontend/grammar_check.py)."""
     heavy = _heavy_modules(_FRONTEND_MODULES_CHILD, str(tmp_path / "run"), "structured", cwd=tmp_path)
     assert not heavy, f"validating a JSON schema in the frontend imported {heavy[:10]}"
 
@@ -285,7 +284,8 @@ def _free_port() -> int:
 
 
 @pytest.mark.xfail(strict=False, reason="transformers 5 imports torch whenever it is installed (utils/generic.py), "
-                                        "and the frontend loads its tokenizer with AutoTokenizer")
+                                        "and frontend/openai_args.generation_defaults imports transformers' "
+                                        "AutoConfig (the tokenizer no longer does: frontend/tokenizer.py)")
 def test_the_frontend_process_starts_without_torch(tmp_path: Path) -> None:
     """The real start-up, as `pagedserve frontend` (tokenizer loaded, gRPC and HTTP listening,
     waiting for the scheduler): no torch or triton in sys.modules."""
