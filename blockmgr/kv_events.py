@@ -8,13 +8,22 @@ is evicted, ``cleared`` when the manager is (re)created. The key's parent and
 token ids come from ``keyed``, called where the manager computes a key. One
 step's events make one ``KVEventBatch``, as one vLLM engine step does.
 
-Block hashes are our prefix-cache keys (``prefix_cache.hash_block``: sha256
-chained from the empty key, or the cache salt's), so the same tokens give the
-same hash on every replica with no shared seed. They are published as vLLM
-does by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``): the digest's low
-64 bits as an int."""
+Published block hashes are vLLM's ``sha256_cbor`` ones (the reproducible,
+cross-language algorithm llm-d deploys vLLM with:
+``--prefix-caching-hash-algo sha256_cbor`` and a shared ``PYTHONHASHSEED``):
+sha256 of the canonical CBOR of ``(parent hash, token ids, None)``, chained
+from ``sha256_cbor(seed)``, the seed being $PYTHONHASHSEED or vLLM's default
+"vllm-none-hash". The same tokens give the same hash on every replica, ours
+or vLLM's, and llm-d's indexer, which computes a prompt's hashes the same
+way, finds them. Sent as vLLM's default int form (low 64 bits). A chain
+under a cache salt hashes from the salt's root instead, so it never meets
+an unsalted one (vLLM puts the salt in the first block's extra keys: salted
+hashes are ours alone)."""
 from __future__ import annotations
 
+import hashlib
+import os
+import struct
 import time
 
 import msgspec
@@ -61,25 +70,56 @@ def external_hash(key: bytes) -> int:
     return int.from_bytes(key, "big") & ((1 << 64) - 1)
 
 
+def _cbor_head(major: int, n: int) -> bytes:
+    """A canonical CBOR item head: the shortest length encoding (RFC 8949, 4.2.1)."""
+    if n < 24:
+        return bytes([major << 5 | n])
+    for extra, fmt in ((24, ">B"), (25, ">H"), (26, ">I"), (27, ">Q")):
+        if n < 1 << (8 * struct.calcsize(fmt)):
+            return bytes([major << 5 | extra]) + struct.pack(fmt, n)
+    raise ValueError(f"{n} does not fit CBOR")
+
+
+def sha256_cbor_block(parent: bytes, token_ids: list[int]) -> bytes:
+    """vLLM's ``hash_block_tokens(sha256_cbor, parent, tokens, None)``:
+    sha256 of ``cbor2.dumps((parent, tuple(tokens), None), canonical=True)``."""
+    out = [b"\x83", _cbor_head(2, len(parent)), parent, _cbor_head(4, len(token_ids))]
+    out += [_cbor_head(0, t) for t in token_ids]  # token ids are never negative
+    out.append(b"\xf6")
+    return hashlib.sha256(b"".join(out)).digest()
+
+
+def none_hash(seed: str) -> bytes:
+    """vLLM's NONE_HASH for sha256_cbor: the hash of the seed as a CBOR text string."""
+    raw = seed.encode()
+    return hashlib.sha256(_cbor_head(3, len(raw)) + raw).digest()
+
+
+# vLLM's seed rule (kv_cache_utils.resolve_none_hash_seed): PYTHONHASHSEED when set
+NONE_HASH = none_hash(os.environ.get("PYTHONHASHSEED") or "vllm-none-hash")
+
+
 class KVEventLog:
     """The events of the current step, and what each live key was made of."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._events: list[KVCacheEvent] = []
-        # key -> (parent key, token ids): for every key pending or cached somewhere
-        self._made_of: dict[bytes, tuple[bytes, list[int]]] = {}
+        # key -> (parent key, token ids, vLLM's hash): for every key pending or cached somewhere
+        self._made_of: dict[bytes, tuple[bytes, list[int], bytes]] = {}
         self._cached_in: dict[bytes, set[str]] = {}  # key -> the media whose pool caches it
 
     def keyed(self, key: bytes, parent: bytes, token_ids: list[int]) -> None:
-        self._made_of[key] = (parent, list(token_ids))
+        up = self._made_of.get(parent)
+        # The chain's root is no block: the empty key (vLLM's NONE_HASH), or a salt's root key.
+        root = NONE_HASH if parent == b"" else parent
+        self._made_of[key] = (parent, list(token_ids), sha256_cbor_block(up[2] if up else root, token_ids))
 
     def stored(self, key: bytes, medium: str) -> None:
-        parent, tokens = self._made_of[key]
+        parent, tokens, vllm_hash = self._made_of[key]
         self._cached_in.setdefault(key, set()).add(medium)
-        # The chain's root (the empty key, or a salt's) is no block: vLLM's parent is None there.
-        has_parent = parent in self._made_of
-        self._events.append(BlockStored([external_hash(key)], external_hash(parent) if has_parent else None,
+        up = self._made_of.get(parent)  # vLLM's parent is None for a chain's first block
+        self._events.append(BlockStored([external_hash(vllm_hash)], external_hash(up[2]) if up else None,
                                         tokens, self.block_size, None, medium, None))
 
     def removed(self, key: bytes, medium: str) -> None:
@@ -88,7 +128,7 @@ class KVEventLog:
             where.discard(medium)
             if not where:
                 del self._cached_in[key]
-        self._events.append(BlockRemoved([external_hash(key)], medium))
+        self._events.append(BlockRemoved([external_hash(self._made_of[key][2])], medium))
 
     def cleared(self) -> None:
         self._events.append(AllBlocksCleared())

@@ -94,6 +94,9 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     # vLLM's --kv-events-config (the blockmgr publishes BlockStored/BlockRemoved batches)
     kv_events_config: KVEventsConfig = KVEventsConfig()
+    # vLLM's flag, for its command lines (llm-d passes sha256_cbor): KV events always carry
+    # sha256_cbor hashes (blockmgr/kv_events.py); the prefix cache's own keys do not change.
+    prefix_caching_hash_algo: str = "sha256_cbor"
     # frontend bounds
     max_prompt_chars: int = 1_000_000
     max_stop_ids: int = 64
@@ -129,6 +132,9 @@ class EngineConfig:
         if self.tokenizer_mode == "mistral":
             raise ValueError("--tokenizer-mode mistral: mistral_common tokenizers are not supported "
                              "(auto, hf or slow)")
+        if self.prefix_caching_hash_algo not in ("sha256", "sha256_cbor"):
+            raise ValueError(f"--prefix-caching-hash-algo {self.prefix_caching_hash_algo}: only sha256_cbor "
+                             "(KV events carry vLLM's sha256_cbor block hashes; sha256 is accepted as the same)")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format: one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.max_num_partial_prefills is not None and not 1 <= self.max_num_partial_prefills <= self.max_num_seqs:
@@ -300,6 +306,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         text='vLLM\'s KV cache events, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
              '"replay_endpoint": "tcp://*:5558"}\': the blockmgr publishes BlockStored/BlockRemoved/'
              'AllBlocksCleared batches as vLLM does (msgpack over ZeroMQ PUB); default endpoint loopback')
+    arg("--prefix-caching-hash-algo", env_name="PREFIX_CACHING_HASH_ALGO", default=d.prefix_caching_hash_algo,
+        text="vLLM's flag: KV events carry vLLM's sha256_cbor block hashes (seeded by $PYTHONHASHSEED, as "
+             "vLLM's); sha256 is accepted as the same, xxhash refused")
     arg("--enforce-eager", env_name="ENFORCE_EAGER", default=env_flag("ENFORCE_EAGER", False),
         action="store_true", text="never capture CUDA graphs")
     arg("--tensor-parallel-size", "-tp", env_name="TENSOR_PARALLEL_SIZE", default=d.tensor_parallel_size,

@@ -5,6 +5,7 @@ shows up, in order, with no gap in the sequence numbers; the hashes are the
 same on every replica (recomputed here from the tokens alone)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,8 +20,8 @@ from e2e_util import serve, wait_all_free
 from models import make_tiny_model
 from vllm_kv_events_ref import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decoder
 
-from pagedserve.blockmgr.kv_events import external_hash
-from pagedserve.blockmgr.manager import BlockManager, hash_block
+from pagedserve.blockmgr.kv_events import NONE_HASH, external_hash, none_hash, sha256_cbor_block
+from pagedserve.blockmgr.manager import BlockManager
 from pagedserve.common.kv_events_config import KVEventsConfig, parse_kv_events_config
 
 PEERS_PY = Path(__file__).resolve().parents[1] / ".venv-peers" / "bin" / "python"
@@ -34,15 +35,25 @@ def _decode(mgr: BlockManager) -> list[object]:
 
 
 def _chain(tokens: list[int], bs: int) -> list[tuple[int, int | None, list[int]]]:
-    """(hash, parent hash, block tokens) of each full block, as any replica computes them."""
+    """(hash, parent hash, block tokens) of each full block as vLLM's sha256_cbor hashes them."""
     out: list[tuple[int, int | None, list[int]]] = []
-    key, parent = b"", None
+    h, parent = NONE_HASH, None
     for i in range(len(tokens) // bs):
         block = tokens[i * bs:(i + 1) * bs]
-        key = hash_block(key, block)
-        out.append((external_hash(key), parent, block))
-        parent = external_hash(key)
+        h = sha256_cbor_block(h, block)
+        out.append((external_hash(h), parent, block))
+        parent = external_hash(h)
     return out
+
+
+def test_block_hashes_are_vllms_sha256_cbor() -> None:
+    """Golden values from vLLM 0.32's own functions (peer venv, cbor2 5.x, 2026-12-02):
+    sha256(cbor2.dumps(x, canonical=True)) for a block and for the default NONE_HASH seed."""
+    assert sha256_cbor_block(b"\x01" * 32, [1, 2, 300, 70000, 5000000000]).hex() == \
+        "4ec1c45ac5dfaf2c05295bd2b38dd391dfb5051c85ab30749de7af663f4895eb"
+    assert none_hash("vllm-none-hash").hex() == "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
+    if "PYTHONHASHSEED" not in os.environ:
+        assert NONE_HASH == none_hash("vllm-none-hash")
 
 
 def test_block_manager_events_with_exact_blocks() -> None:
@@ -191,18 +202,31 @@ def test_a_mixed_run_is_read_in_order_without_gaps(tmp_path: Path) -> None:
     if PEERS_PY.exists():  # vLLM's own classes decode the same stream
         blob = tmp_path / "payloads.msgpack"
         blob.write_bytes(msgspec.msgpack.encode([p for _, p in replayed]))
-        code = ("import sys, msgspec; from vllm.distributed.kv_events import KVEventBatch; "
+        seqs = tmp_path / "seqs.json"
+        seqs.write_text(json.dumps([ids + out[:-1] for ids, out in zip(prompts, outputs)] + [[1, 2, 3]]))
+        code = ("import sys, json, msgspec; from vllm.distributed.kv_events import KVEventBatch; "
+                "from vllm.utils.hashing import sha256_cbor; from vllm.v1.core import kv_cache_utils as k; "
+                "k.init_none_hash(sha256_cbor); "
                 "d = msgspec.msgpack.Decoder(KVEventBatch); "
                 "bs = [d.decode(p) for p in msgspec.msgpack.decode(open(sys.argv[1], 'rb').read())]; "
                 "print(sum(type(e).__name__ == 'BlockStored' for b in bs for e in b.events), "
-                "sum(type(e).__name__ == 'BlockRemoved' for b in bs for e in b.events))")
-        out = subprocess.run([str(PEERS_PY), "-c", code, str(blob)], capture_output=True, text=True, timeout=300,
+                "sum(type(e).__name__ == 'BlockRemoved' for b in bs for e in b.events)); "
+                "hs = set()\n"
+                "for t in json.load(open(sys.argv[2])):\n"
+                f"    h = None\n    for i in range(len(t) // {bs}):\n"
+                f"        h = k.hash_block_tokens(sha256_cbor, h, t[i * {bs}:(i + 1) * {bs}]); "
+                "hs.add(k.maybe_convert_block_hash(h))\n"
+                "print(json.dumps(sorted(hs)))")
+        out = subprocess.run([str(PEERS_PY), "-c", code, str(blob), str(seqs)], capture_output=True, text=True,
+                             timeout=300,
                              cwd=tmp_path,  # not the repo root, whose kernels/ folder transformers would import
                              env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
         assert out.returncode == 0, out.stderr[-2000:]
         n_stored = sum(isinstance(e, BlockStored) for e in events)
         n_removed = sum(isinstance(e, BlockRemoved) for e in events)
-        assert out.stdout.split() == [str(n_stored), str(n_removed)]
+        counts, vllm_hashes = out.stdout.strip().splitlines()[-2:]
+        assert counts.split() == [str(n_stored), str(n_removed)]
+        assert set(json.loads(vllm_hashes)) == stored, "vLLM hashes the same tokens to the same block hashes"
     else:
         print(f"vLLM's own classes not checked: no peer venv at {PEERS_PY} (scripts/setup-peers.sh)",
               file=sys.stderr)
