@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.common.messages.frontend import TokenDelta
-from pagedserve.frontend.detokenizer import IncrementalDetokenizer
+from pagedserve.frontend.detokenizer import IncrementalDetokenizer, decode_whole
 
 Logprob = tuple[float, list[tuple[int, float]]]  # (logprob of the token, top-k (token, logprob))
 
@@ -146,8 +146,9 @@ class OutputState:
             [None] * len(d.token_ids)
         final = d.finish_reason is not None
         self.num_generated += len(d.token_ids)
-        for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
-            text = "" if self._detok is None else self._detok.add([tok], final=final and i == len(d.token_ids) - 1)
+        for tok, lp in zip(d.token_ids, lps):
+            # At the end, bytes of an incomplete character are dropped, not sent as U+FFFD (vLLM's detokenizer).
+            text = "" if self._detok is None else self._detok.add([tok])
             self._chars += len(text)
             self._pending.append([tok, lp if self._want_logprobs else None, None])
             if text:
@@ -195,7 +196,7 @@ class OutputState:
         """A beam (or any output) sent whole: replaces what was sent before."""
         ids = list(d.token_ids)
         lps = list(d.logprobs) if len(d.logprobs) == len(ids) else []
-        text = "" if self._tok is None else self._detokenizer().add(ids, final=True)
+        text = "" if self._tok is None else decode_whole(self._tok, self._prompt_ids, ids, **self._detok_kw)
         chunk = Chunk(self.index, replace=True, finish_reason=d.finish_reason,
                       cumulative_logprob=d.cumulative_logprob)
         hit = first_stop(text, self._stops) if self._stops else None
