@@ -120,6 +120,14 @@ start=$(date +%s)
 end=$(date +%s)
 size="$("$PODMAN" image inspect --format '{{.Size}}' "$IMAGE")"
 echo "build-image.sh: built $IMAGE in $((end - start)) s, $((size / 1000000)) MB"
+# The pinned tag the Kubernetes manifests name (deploy/k8s/: never :latest); push it with
+#   podman tag localhost/pagedserve:$VERSION REGISTRY/pagedserve:$VERSION && podman push REGISTRY/pagedserve:$VERSION
+VERSION="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)"
+suffix=""; if [ "$VARIANT" = cuda ]; then suffix="-cuda"; fi
+if [ -n "$VERSION" ] && [ "${IMAGE%%:*}" = pagedserve ]; then
+  "$PODMAN" tag "$IMAGE" "pagedserve:$VERSION$suffix"
+  echo "build-image.sh: tagged pagedserve:$VERSION$suffix" >&2
+fi
 if [ "$PRUNE" = 1 ]; then
   # Each build leaves its stages as untagged images (about 5 GB): the layer cache of the next build.
   "$PODMAN" image prune -f >/dev/null
