@@ -8,6 +8,7 @@ and on a richer one (tools, namespace, loop controls, raise_exception, the
 generation tag)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from pagedserve.common.default_model import resolve_model
 from pagedserve.frontend import tokenizer as ftok
 from pagedserve.frontend.chat_template import render_chat
 
-TEXTS = ["", "Hello world", "  leading and trailing  ", "héllo wörld 世界 🙂 \u00a0x", "a\n\n\tb\r\n c",
+TEXTS = ["", "Hello world", "a <mask> and a <tool> token", "  leading and trailing  ", "héllo wörld 世界 🙂 \u00a0x", "a\n\n\tb\r\n c",
          "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|>x<|endoftext|>",
          "The quick brown fox jumps over the lazy dog. " * 20, "def f(x):\n    return x ** 2  # sq", "1234567890"]
 
@@ -52,13 +53,31 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
 ]
 
 
-@pytest.fixture(scope="module", params=["smollm2", "tiny"])
+def _legacy(folder: Path) -> None:
+    """The tiny tokenizer's folder as older checkpoints have it: special tokens in
+    special_tokens_map.json (one not in the vocabulary), the template in the config."""
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").unlink()
+    for k in ("bos_token", "pad_token"):
+        config.pop(k)
+    config["additional_special_tokens"] = ["<|im_end|>"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "special_tokens_map.json").write_text(json.dumps({
+        "bos_token": {"content": "<|im_start|>", "lstrip": False, "rstrip": False, "normalized": False,
+                      "single_word": False},
+        "mask_token": "<mask>", "additional_special_tokens": ["<|im_end|>", "<tool>"]}))
+
+
+@pytest.fixture(scope="module", params=["smollm2", "tiny", "legacy"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     if request.param == "smollm2":
         folder = resolve_model(None)
     else:
         folder = str(tmp_path_factory.mktemp("tok"))
         train_tokenizer(300).save_pretrained(folder)
+        if request.param == "legacy":
+            _legacy(Path(folder))
     ours = ftok.load(folder)
     assert isinstance(ours, ftok.FrontendTokenizer)  # not the transformers fallback
     return ours, AutoTokenizer.from_pretrained(folder)
@@ -150,8 +169,6 @@ def test_a_folder_without_tokenizer_json_falls_back_to_transformers(tmp_path: Pa
 
 def test_generation_config_sampling_fields_as_transformers_reads_them(tmp_path: Path) -> None:
     """tokenizer_files.generation_file_values against openai_args.generation_defaults (transformers')."""
-    import json
-
     from pagedserve.frontend.openai_args import SAMPLING_FIELDS, generation_defaults
     from pagedserve.frontend.tokenizer_files import generation_file_values
 
