@@ -17,6 +17,7 @@ labelled simulated.
 """
 from __future__ import annotations
 
+import time
 from array import array
 from dataclasses import dataclass
 
@@ -146,7 +147,7 @@ def next_token(context: list[int], vocab_size: int, seed: int | None = None) -> 
 class SimWorker:
     def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0, vocab_size: int = 1000,
                  max_model_len: int = 4096, eos_token_ids: tuple[int, ...] = (), validate: bool = True,
-                 cost_model: CostModel | None = None) -> None:
+                 cost_model: CostModel | None = None, time_scale: float = 0.0) -> None:
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
@@ -155,6 +156,7 @@ class SimWorker:
         self.eos_token_ids = eos_token_ids
         self.validate = validate
         self.cost_model = cost_model
+        self.time_scale = time_scale
         self.simulated_time_s = 0.0  # sum of modelled step times
         self.pool = _SlotPool(num_gpu_blocks, num_cpu_blocks, block_size)
         self.states = SeqStates()
@@ -167,8 +169,13 @@ class SimWorker:
         PAGEDSERVE_SIM_COST_MODEL=none for zero step times); without
         --num-gpu-blocks the pool is the paper's 15.7K token slots (12 GiB at
         800 KiB per token) plus the null block. --swap-space sizes the CPU
-        pool at 800 KiB per token, as for the model it simulates."""
+        pool at 800 KiB per token, as for the model it simulates.
+        PAGEDSERVE_SIM_TIME_SCALE=F > 0 makes each step last F times its
+        modelled time in real time (the default 0: never sleeps)."""
         name = env("SIM_COST_MODEL", "opt13b-a100")
+        scale = float(env("SIM_TIME_SCALE", "0"))
+        if not 0.0 <= scale <= 100.0:
+            raise ValueError(f"PAGEDSERVE_SIM_TIME_SCALE={scale}: in [0, 100]")
         if name != "none" and name not in COST_MODELS:
             raise ValueError(f"PAGEDSERVE_SIM_COST_MODEL={name!r}: choose none or one of {sorted(COST_MODELS)}")
         cost = None if name == "none" else COST_MODELS[name]()
@@ -177,7 +184,7 @@ class SimWorker:
         block_bytes = cfg.block_size * paper.kv_bytes_per_token
         num_cpu_blocks = int(cfg.swap_space * 2**30 // block_bytes)
         return cls(num_blocks, cfg.block_size, num_cpu_blocks, vocab_size=50_272,
-                   max_model_len=cfg.max_model_len or 2048, validate=False, cost_model=cost)
+                   max_model_len=cfg.max_model_len or 2048, validate=False, cost_model=cost, time_scale=scale)
 
     def init(self) -> wk.WorkerReady:
         name = f"simulated:{self.cost_model.name}" if self.cost_model else "simulated"
@@ -226,6 +233,8 @@ class SimWorker:
         if self.cost_model is not None:
             t = self.cost_model.step_time(cost_seqs, bs, len(step.swap_in) + len(step.swap_out), len(step.copies))
             self.simulated_time_s += t
+            if self.time_scale > 0:  # real time: end-to-end latencies (TTFT, ITL) follow the cost model
+                time.sleep(t * self.time_scale)
         # Its random tokens cannot follow a grammar: every asked one fails, so its requests do.
         refused = [wk.GrammarStatus(spec, "structured outputs need the model worker, not --worker sim")
                    for spec in step.compile]

@@ -20,7 +20,7 @@ from e2e_util import serve, wait_all_free
 from models import make_tiny_model
 from vllm_kv_events_ref import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decoder
 
-from pagedserve.blockmgr.kv_events import NONE_HASH, external_hash, none_hash, sha256_cbor_block
+from pagedserve.common.block_hash import NONE_HASH, external_hash, none_hash, prompt_block_hashes, sha256_cbor_block
 from pagedserve.blockmgr.manager import BlockManager
 from pagedserve.common.kv_events_config import KVEventsConfig, parse_kv_events_config
 
@@ -54,6 +54,8 @@ def test_block_hashes_are_vllms_sha256_cbor() -> None:
     assert none_hash("vllm-none-hash").hex() == "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
     if "PYTHONHASHSEED" not in os.environ:
         assert NONE_HASH == none_hash("vllm-none-hash")
+    ids = list(range(40))
+    assert prompt_block_hashes(ids, 16) == [h for h, _, _ in _chain(ids, 16)]
 
 
 def test_block_manager_events_with_exact_blocks() -> None:
