@@ -15,6 +15,7 @@ from typing import Any
 from pagedserve.common.config import helptext, json_object
 from pagedserve.common.env import env, env_flag
 from pagedserve.frontend.openai_options import OpenAIOptions
+from pagedserve.frontend.tokenizer_files import generation_file_values
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
@@ -140,6 +141,24 @@ def openai_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _from_model_config(folder: str, trust_remote_code: bool) -> dict[str, Any]:
+    """No generation_config.json: what config.json says (as vLLM), through transformers."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return {}
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its "flags are not valid" note: sampling fields with do_sample off
+    try:
+        return dict(GenerationConfig.from_model_config(
+            AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)).to_diff_dict())
+    except OSError:
+        return {}
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def generation_defaults(source: str, model_dir: str, override: str | None, trust_remote_code: bool = False
                         ) -> dict[str, Any]:
     """Sampling defaults as vLLM's ModelConfig.get_diff_sampling_param: the
@@ -148,23 +167,11 @@ def generation_defaults(source: str, model_dir: str, override: str | None, trust
     sampling ones kept, max_new_tokens renamed max_tokens."""
     config: dict[str, Any] = {}
     if source != "vllm":
-        from transformers import AutoConfig, GenerationConfig
-        from transformers.utils import logging as hf_logging
-
         folder = model_dir if source == "auto" else source
-        level = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # its "flags are not valid" note: sampling fields with do_sample off
-        try:
-            gen = GenerationConfig.from_pretrained(folder)
-        except OSError:  # no generation_config.json: what config.json says (as vLLM)
-            try:
-                gen = GenerationConfig.from_model_config(AutoConfig.from_pretrained(
-                    folder, trust_remote_code=trust_remote_code))
-            except OSError:
-                gen = None
-        finally:
-            hf_logging.set_verbosity(level)
-        config = gen.to_diff_dict() if gen is not None else {}
+        # generation_config.json read as transformers reads it, without importing transformers
+        # (and so torch) into the frontend; only a folder without one takes transformers' rules.
+        found = generation_file_values(folder, SAMPLING_FIELDS)
+        config = found if found is not None else _from_model_config(folder, trust_remote_code)
     if override is not None:
         config.update(json.loads(override))
     out = {k: config[k] for k in SAMPLING_FIELDS if config.get(k) is not None}

@@ -283,9 +283,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.xfail(strict=False, reason="transformers 5 imports torch whenever it is installed (utils/generic.py), "
-                                        "and frontend/openai_args.generation_defaults imports transformers' "
-                                        "AutoConfig (the tokenizer no longer does: frontend/tokenizer.py)")
 def test_the_frontend_process_starts_without_torch(tmp_path: Path) -> None:
     """The real start-up, as `pagedserve frontend` (tokenizer loaded, gRPC and HTTP listening,
     waiting for the scheduler): no torch or triton in sys.modules."""
