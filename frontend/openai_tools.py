@@ -16,12 +16,16 @@ structured outputs, ``tool_calls`` in the answer, and assistant ``tool_calls`` /
 ``finish_reason`` is ``"tool_calls"`` when the call is complete; an output cut by
 ``max_tokens`` keeps ``"length"`` and returns its raw text as content.
 
-Rendering: a chat template that mentions ``tool_calls`` gets the messages as
-transformers expects them (``arguments`` as objects) and ``tools=``. Otherwise
-(e.g. SmolLM2's) a plain form: each call is appended to the assistant content as
-``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``, tool messages
-keep role ``tool``, and the tool list goes into the system message as
-``<tools>`` lines of JSON.
+With a tool-call parser that has a vLLM structural tag (``hermes``), named and
+"required" go vLLM's way instead: the output follows the parser's grammar of
+``<tool_call>`` blocks (``tool_grammar``) and the parser reads the calls
+(``openai_tools_auto``).
+
+Rendering: a chat template that mentions ``tool_calls`` or ``tools`` gets the
+messages as transformers expects them (``arguments`` as objects) and
+``tools=``. One that mentions neither (e.g. SmolLM2's) gets what vLLM's
+rendering gives it: no tool list, and a call's message with its content only
+(``as_vllm_renders``).
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from typing import Any, Callable
 
 from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.openai_options import OpenAIOptions
-from pagedserve.frontend import openai_tools_auto
+from pagedserve.frontend import openai_tools_auto, tool_grammar
 from pagedserve.frontend.openai_structured import TOOL_FIELDS
 from pagedserve.frontend.outputs import Chunk
 from pagedserve.frontend.tool_parsers import PARSERS
@@ -53,6 +57,8 @@ class ToolMode:
     schema: str | None  # JSON schema text the output follows; None: free text ("auto")
     parser: str | None = None  # "auto": the tool-call parser that reads the output
     parallel: bool | None = None  # parallel_tool_calls; False: only the first call is kept
+    grammar: str | None = None  # EBNF the output follows (a parser's structural tag: tool_grammar)
+    choice: str = "auto"  # "auto", "required" or "named": how a parser's calls are finished
 
 
 def _tool_list(tools: Any) -> dict[str, dict[str, Any]]:
@@ -87,12 +93,16 @@ def take_tools(body: dict[str, Any], opts: OpenAIOptions | None = None
             raise ValidationError("tool_choice", "needs tools")
         return None, None, rest
     funcs = _tool_list(tools)
+    auto = opts is not None and opts.enable_auto_tool_choice and opts.tool_call_parser in PARSERS
     if choice is None or choice == "auto":
-        if opts is None or not opts.enable_auto_tool_choice or opts.tool_call_parser not in PARSERS:
+        if not auto or opts is None:
             raise ApiError(400, AUTO_REFUSED, param="tool_choice")
-        return ToolMode(None, None, opts.tool_call_parser, parallel), tools, rest
+        return _tagged(opts.tool_call_parser, tools, choice, parallel), tools, rest
     if choice == "none":
         return None, tools, rest
+    if auto and opts is not None and PARSERS[opts.tool_call_parser].structural_tag and \
+            (choice == "required" or (isinstance(choice, dict) and _named(choice) in funcs)):
+        return _tagged(opts.tool_call_parser, tools, choice, parallel), tools, rest
     if choice == "required":
         items = [{"properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
                   "required": ["name", "parameters"]} for n, p in funcs.items()]
@@ -110,13 +120,36 @@ def take_tools(body: dict[str, Any], opts: OpenAIOptions | None = None
     return ToolMode(name, json.dumps(funcs[name])), tools, rest
 
 
+def _named(choice: dict[str, Any]) -> Any:
+    fn = choice.get("function")
+    return fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
+
+
+def _tagged(parser: str, tools: list[dict[str, Any]], choice: Any, parallel: bool | None) -> ToolMode:
+    """A parser-read mode; with a structural-tag parser (hermes), vLLM's grammar of its calls."""
+    kind = "auto" if choice in (None, "auto") else "required" if choice == "required" else "named"
+    grammar = None
+    if PARSERS[parser].structural_tag:
+        tag = tool_grammar.structural_tag(tools, choice, parallel)
+        grammar = None if tag is None else tool_grammar.to_ebnf(tag)
+    return ToolMode(None, None, parser, parallel, grammar, kind)
+
+
 def enforce(mode: ToolMode, sp: pb.SamplingParams) -> None:
-    if mode.schema is None:  # "auto": the model writes what it likes, the parser reads it
+    if mode.schema is None and mode.grammar is None:  # "auto": the model writes what it likes
         return
     if sp.HasField("structured_outputs"):
-        raise ValidationError("tool_choice", "cannot be combined with response_format or another "
-                                             "structured-output field")
-    sp.structured_outputs.json = mode.schema
+        if mode.choice == "auto":  # vLLM keeps the request's own (it ORs in strict tools' calls: not here)
+            return
+        if mode.schema is None:  # vLLM: a forced call's grammar replaces the request's structured output
+            sp.ClearField("structured_outputs")
+        else:
+            raise ValidationError("tool_choice", "cannot be combined with response_format or another "
+                                                 "structured-output field")
+    if mode.grammar is not None:
+        sp.structured_outputs.grammar = mode.grammar
+    else:
+        sp.structured_outputs.json = mode.schema or ""
 
 
 # ------------------------------------------------------------------ messages
@@ -149,6 +182,18 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
             msg["tool_call_id"] = m["tool_call_id"]
         conv.append(msg)
     return conv
+
+
+def as_vllm_renders(conv: list[dict[str, Any]], tools: list[dict[str, Any]] | None, template: Any
+                    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """vLLM hands tools and tool calls to the chat template as they are: a template
+    that names neither (SmolLM2's) renders no tool list and an empty assistant
+    content for a call. So for such a template they are left out here, and
+    render_chat's plain tool form (for templates without tool support) is not used."""
+    text = str(template or "")
+    if "tool_calls" in text or "tools" in text:
+        return conv, tools
+    return [{k: v for k, v in m.items() if k != "tool_calls"} for m in conv], None
 
 
 def _calls(calls: Any) -> list[dict[str, Any]]:
@@ -188,10 +233,11 @@ def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
              "function": {"name": n, "arguments": json.dumps(a)}} for n, a in pairs]
 
 
-def choice_formatter(mode: ToolMode, logprobs: Callable[[Chunk], Any]) -> Callable[[Chunk, dict[str, Any] | None], dict[str, Any]]:
+def choice_formatter(mode: ToolMode, logprobs: Callable[[Chunk], Any], send_ids: bool = False
+                     ) -> Callable[[Chunk, dict[str, Any] | None], dict[str, Any] | None]:
     """The gateway's chat choice builder for a tool-enforced or auto request."""
     if mode.parser is not None:
-        return openai_tools_auto.formatter(mode.parser, mode.parallel, logprobs)
+        return openai_tools_auto.formatter(mode.parser, mode.parallel, logprobs, mode.choice, send_ids)
 
     def finish(c: Chunk, calls: list[dict[str, Any]] | None) -> str | None:
         if c.finish_reason == "stop" and calls is not None:

@@ -56,6 +56,9 @@ class ToolParser:
     name: ClassVar[str]
     # A vocabulary entry the parser cannot work without (vLLM fails at start-up without it).
     needs_token: ClassVar[str | None] = None
+    # vLLM's structural_tag_model, where we build its grammar (frontend/tool_grammar.py): named and
+    # "required" tool choice are then read by this parser under that grammar, as vLLM does.
+    structural_tag: ClassVar[bool] = False
 
     def __init__(self) -> None:
         # vLLM's shared streaming state: what each call parsed and what was sent of its arguments
