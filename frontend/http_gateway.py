@@ -30,8 +30,8 @@ from google.protobuf import text_format
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedserve.common.bounds import MAX_SEED
-from pagedserve.frontend import http_batch, http_cors, http_extras, http_fields, http_json
-from pagedserve.frontend import openai_extras, openai_structured, openai_tools
+from pagedserve.frontend import http_batch, http_cors, http_extras, http_fields, http_json, http_lax
+from pagedserve.frontend import openai_extras, openai_structured, openai_tools, stop_tokens
 from pagedserve.frontend.auth import ApiKeys
 from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.engine_client import DuplicateRequestId
@@ -44,7 +44,7 @@ from pagedserve.frontend.http_shared import Ctx
 from pagedserve.frontend.openai_extras import Extras
 from pagedserve.frontend.openai_options import OpenAIOptions
 from pagedserve.frontend.outputs import Chunk
-from pagedserve.frontend.prompt_options import InputOptions
+from pagedserve.frontend.prompt_options import InputOptions, with_sampler_extras
 from pagedserve.frontend.validation import DEFAULT_COMPLETION_MAX_TOKENS, MAX_REQUEST_BYTES, Limits, ValidationError
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -242,7 +242,8 @@ class Gateway:
         return InputOptions(add_special_tokens=x.add_special_tokens, truncate=x.truncate,
                             truncate_left=x.truncate_left, clamp_max_tokens=True,
                             default_max_tokens=default_max_tokens, skip_special_tokens=x.skip_special_tokens,
-                            spaces_between_special_tokens=x.spaces_between_special_tokens)
+                            spaces_between_special_tokens=x.spaces_between_special_tokens,
+                            allowed_token_ids=x.allowed_token_ids, bad_words=x.bad_words)
 
     def _log(self, rid: str, reqs: list[pb.GenerateRequest]) -> None:
         if self.opts.log_requests:  # ids and sampling parameters only: never a header (the API key)
@@ -252,25 +253,30 @@ class Gateway:
     async def prepare(self, req: pb.GenerateRequest, add_special_tokens: bool = True,
                       options: InputOptions | None = None) -> Any:
         try:  # tokenizes off the event loop
-            return await self.svc.prepare_async(req, add_special_tokens, options)
+            prepared = await self.svc.prepare_async(req, add_special_tokens, options)
+            return with_sampler_extras(prepared, options, self._encode)
         except ValidationError as e:
             raise ApiError(400, str(e), param=_openai_param(e.field)) from None
 
     async def open_stream(self, request: web.Request, prepared: Any) -> RequestStream:
-        try:
-            return await self.svc.open(prepared, self._key_id(request))
+        try:  # a stop token's text and stop_reason as vLLM's (stop_tokens)
+            stream = await self.svc.open(prepared, self._key_id(request))
+            return stop_tokens.apply(stream, getattr(self.svc.tokenizer, "eos_token_id", None))
         except Rejected as e:
             reason = e.reason if isinstance(e.reason, RejectReason) else RejectReason(e.reason)
             raise rejected_api_error(reason, str(e)) from None
         except DuplicateRequestId:
             raise ApiError(409, "request id already running", code="duplicate") from None
 
+    def _encode(self, text: str) -> list[int]:
+        return list(self.svc.tokenizer.encode(text, add_special_tokens=False))
+
     def token_str(self, tok: int) -> str:
         return self.svc.detokenize([tok], skip_special_tokens=False)
 
     # ------------------------------------------------------------ /v1/completions
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self.json_body(request)
+        body = http_lax.lax(await self.json_body(request), chat=False)  # vLLM's pydantic conversions
         x = self._extras(request, body, chat=False)
         if body.get("suffix") is not None:  # vLLM: FIM models only
             raise ApiError(400, "suffix: suffix is only supported for models with FIM completion rendering",
@@ -297,7 +303,7 @@ class Gateway:
 
     # ------------------------------------------------------------ /v1/chat/completions
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self.json_body(request)
+        body = http_lax.lax(await self.json_body(request), chat=True)
         x = self._extras(request, body, chat=True)
         body = openai_extras.with_defaults(body, self.opts.default_sampling)
         try:  # messages (tool calls included), tools and tool_choice: frontend/openai_tools.py
@@ -309,6 +315,7 @@ class Gateway:
         template = x.chat_template or self.opts.chat_template
         if not template and not has_chat_template(tok):
             raise ApiError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
+        conv, tools = openai_tools.as_vllm_renders(conv, tools, template or getattr(tok, "chat_template", None))
         try:
             prompt = render_chat(tok, conv, tools, x.add_generation_prompt, template, x.template_kwargs)
         except ValidationError as e:
@@ -346,7 +353,8 @@ class Gateway:
         def logprobs(c: Chunk) -> Any:
             return chat_logprobs(self, c, as_id)
 
-        choice = self._chat_choice(as_id) if tool_mode is None else openai_tools.choice_formatter(tool_mode, logprobs)
+        choice = self._chat_choice(as_id) if tool_mode is None else \
+            openai_tools.choice_formatter(tool_mode, logprobs, x.return_token_ids)
         try:
             if x.stream:
                 return await chat_stream(request, stream, ctx, choice, http_batch.engine_error_event)
@@ -358,7 +366,7 @@ class Gateway:
 
     def _chat_choice(self, as_id: bool) -> Callable[[Chunk, dict[str, Any] | None], dict[str, Any]]:
         def build(c: Chunk, acc: dict[str, Any] | None) -> dict[str, Any]:
-            lp = chat_logprobs(self, c, as_id)
+            lp = chat_logprobs(self, c, as_id, None if acc is None else acc.setdefault("lp_context", []))
             if acc is None:  # a non-streaming choice (the role is the response's: http_response)
                 return {"index": c.index, "message": {"role": "assistant", "content": c.text},
                         "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

@@ -27,38 +27,106 @@ def token_text(gw: GatewayApi, tok: int, as_id: bool) -> str:
     return f"token_id:{tok}" if as_id else gw.token_str(tok)
 
 
+REPLACEMENT = "\ufffd"
+MAX_BYTE_CONTEXT = 4  # vLLM's: enough for any UTF-8 sequence
+
+
+def decoded_token(gw: GatewayApi, tok: int, context: list[int]) -> str:
+    """vLLM's logprob token string (LogprobsProcessor._verify_tokens): a token
+    whose text ends in U+FFFD (part of a character) is decoded after up to 4 of
+    the tokens before it (``context``, the output's own); it gets the text that
+    completes, or "" while the character is still incomplete."""
+    text = gw.token_str(tok)
+    if not text.endswith(REPLACEMENT):
+        return text
+    for n in range(1, min(len(context), MAX_BYTE_CONTEXT) + 1):
+        ctx = context[-n:]
+        full = gw.svc.detokenize([*ctx, tok], skip_special_tokens=False)
+        if full.endswith(REPLACEMENT):
+            continue
+        clean_end = len(ctx)  # context tokens that are themselves part of this character
+        for j in range(len(ctx) - 1, -1, -1):
+            if gw.token_str(ctx[j]).endswith(REPLACEMENT):
+                clean_end = j
+            else:
+                break
+        prefix = gw.svc.detokenize(ctx[:clean_end], skip_special_tokens=False) if clean_end else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        common = 0
+        for a, b in zip(prefix, full):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+    return ""
+
+
+def _strings(gw: GatewayApi, toks: list[int], as_id: bool, context: list[int]) -> dict[int, str]:
+    """The strings of one position's tokens (the chosen one and its alternatives)."""
+    if as_id:
+        return {t: f"token_id:{t}" for t in toks}
+    return {t: decoded_token(gw, t, context) for t in toks}
+
+
+def _with_chosen(tok: int, e: Logprob) -> list[tuple[int, float]]:
+    """vLLM's logprobs of a position: the chosen token first, then the top ones (ids once)."""
+    out = {tok: e[0]}
+    for t, v in e[1]:
+        out.setdefault(t, v)
+    return list(out.items())
+
+
 def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
 
 
 def completion_logprobs(gw: GatewayApi, entries: list[tuple[int, Logprob | None]], as_id: bool,
                         offset: int = 0) -> dict[str, Any]:
-    """OpenAI's legacy logprobs; an entry without a logprob (the first prompt token) is null.
-    ``text_offset`` runs over the token strings from ``offset``, as vLLM's."""
+    """OpenAI's legacy logprobs as vLLM writes them: an entry without a logprob (the
+    first prompt token) is null; ``top_logprobs`` holds the chosen token and the
+    top ones (logprobs=k: up to k+1 entries, k=0 the chosen one alone).
+    ``text_offset`` runs over the token strings from ``offset``. Token strings
+    are vLLM's (``decoded_token``) with the entries before as context."""
     tokens, lps, tops, offsets = [], [], [], []
+    context: list[int] = []
     for tok, e in entries:
-        s = token_text(gw, tok, as_id)
+        if e is None:
+            s = token_text(gw, tok, as_id)
+            tokens.append(s)
+            lps.append(None)
+            tops.append(None)
+        else:
+            pairs = _with_chosen(tok, e)
+            names = _strings(gw, [t for t, _ in pairs], as_id, context)
+            s = names[tok]
+            tokens.append(s)
+            lps.append(_lp(e[0]))
+            tops.append({names[t]: _lp(v) for t, v in pairs})
+            context.append(tok)
         offsets.append(offset)
         offset += len(s)
-        tokens.append(s)
-        lps.append(None if e is None else _lp(e[0]))
-        tops.append(None if e is None else {token_text(gw, t, as_id): _lp(v) for t, v in e[1]})
     return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens, "top_logprobs": tops}
 
 
-def chat_logprobs(gw: GatewayApi, c: Chunk, as_id: bool) -> dict[str, Any] | None:
+def chat_logprobs(gw: GatewayApi, c: Chunk, as_id: bool, context: list[int] | None = None) -> dict[str, Any] | None:
+    """Chat logprobs as vLLM writes them: ``top_logprobs`` the first top_logprobs of
+    (the chosen token, then the top ones); ``bytes`` those of the token strings.
+    ``context``: the choice's earlier tokens (streaming), extended here."""
     if not c.logprobs:
         return None
-
-    def entry(t: int, v: float) -> dict[str, Any]:
-        s = token_text(gw, t, as_id)
-        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8", errors="replace"))}
-
+    ctx = [] if context is None else context
     content = []
     for t, e in c.logprobs:
-        main = entry(t, e[0])
-        main["bytes"] = list(gw.token_str(t).encode("utf-8", errors="replace"))  # the real token's, as vLLM
-        content.append({**main, "top_logprobs": [entry(a, b) for a, b in e[1]]})
+        pairs = _with_chosen(t, e)[:len(e[1])]
+        names = _strings(gw, [t, *(a for a, _ in pairs)], as_id, ctx)
+        main = names[t]
+        decoded = main if not as_id else decoded_token(gw, t, ctx)
+        content.append({"token": main, "logprob": _lp(e[0]), "bytes": list(decoded.encode("utf-8", errors="replace")),
+                        "top_logprobs": [{"token": names[a], "logprob": _lp(b),
+                                          "bytes": list(names[a].encode("utf-8", errors="replace"))}
+                                         for a, b in pairs]})
+        ctx.append(t)
     return {"content": content}
 
 
@@ -70,11 +138,12 @@ def prompt_logprobs(gw: GatewayApi, stream: RequestStream) -> list[dict[str, Any
         return None
     ids, entries = stream.req.prompt_ids, stream.prompt_logprobs or []
     out: list[dict[str, Any] | None] = [None]
-    for tok, (lp, top) in zip(ids[1:], entries):
+    for i, (tok, (lp, top)) in enumerate(zip(ids[1:], entries)):
         ranks = {t: r for r, (t, _) in enumerate(top, 1)}
-        d = {str(tok): {"logprob": _lp(lp), "rank": ranks.get(tok), "decoded_token": gw.token_str(tok)}}
+        context = ids[max(1, i + 1 - MAX_BYTE_CONTEXT):i + 1]  # vLLM's: the prompt tokens with a logprob before
+        d = {str(tok): {"logprob": _lp(lp), "rank": ranks.get(tok), "decoded_token": decoded_token(gw, tok, context)}}
         for t, v in top:
-            d.setdefault(str(t), {"logprob": _lp(v), "rank": ranks[t], "decoded_token": gw.token_str(t)})
+            d.setdefault(str(t), {"logprob": _lp(v), "rank": ranks[t], "decoded_token": decoded_token(gw, t, context)})
         out.append(d)
     return out
 
@@ -106,7 +175,7 @@ def chat_response(gw: GatewayApi, ctx: Ctx, stream: RequestStream, merged: dict[
     out = {"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model, "choices": choices,
            "usage": usage(len(stream.req.prompt_ids), stream.num_completion_tokens)}
     if x is not None:
-        if x.prompt_logprobs is not None:
+        if x.prompt_logprobs is not None or x.echo:  # vLLM: echo asks for them (top_logprobs of them)
             out["prompt_logprobs"] = prompt_logprobs(gw, stream)
         if x.return_token_ids:
             out["prompt_token_ids"] = stream.req.prompt_ids

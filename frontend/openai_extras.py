@@ -4,9 +4,10 @@ read with vLLM's meaning and refused where vLLM refuses (400, OpenAI shape).
 
 A field outside vLLM's models is ignored and logged at debug level, as vLLM's
 ``OpenAIBaseModel`` (``extra="allow"``) does. A vLLM field we cannot honour
-without engine support (``allowed_token_ids``, ``bad_words``,
-``logprob_token_ids``, ``prompt_embeds``, ``repetition_detection``) is a 400
-naming it rather than an answer that silently differs. Sampling fields proper
+without engine support (``logprob_token_ids``, ``prompt_embeds``,
+``repetition_detection``) is a 400 naming it rather than an answer that
+silently differs. ``allowed_token_ids`` and ``bad_words`` reach the worker's
+sampler (HTTP only: they are not in the gRPC API). Sampling fields proper
 (``temperature``, ``top_k``, ...) are read by the gateway; their vLLM-only
 bounds are checked here.
 """
@@ -42,8 +43,7 @@ VLLM_CHAT_FIELDS = _COMMON | {
 OURS = frozenset({"beam_width", "early_stopping", "guided_json", "guided_regex", "guided_choice",
                   "guided_grammar", "guided_decoding_backend"})
 # vLLM fields that need engine support we lack: refused unless at their default.
-_NEEDS_ENGINE = {"allowed_token_ids": "restricting sampling to given token ids",
-                 "bad_words": "banning words", "logprob_token_ids": "logprobs of chosen token ids",
+_NEEDS_ENGINE = {"logprob_token_ids": "logprobs of chosen token ids",
                  "prompt_embeds": "prompt embeddings", "repetition_detection": "repetition detection"}
 _REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _INT64 = (-(2**63), 2**63 - 1)
@@ -109,6 +109,27 @@ class Extras:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     logprobs: int | None = None  # completions: logprobs; chat: top_logprobs when logprobs is true
     prompt_logprobs: int | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()  # deduplicated, in order (vLLM's)
+
+
+def _allowed_and_bad(body: dict[str, Any], vocab_size: int) -> tuple[tuple[int, ...] | None, tuple[str, ...]]:
+    """vLLM's checks of allowed_token_ids (non-empty, inside the vocabulary) and bad_words (non-empty strings)."""
+    ids = body.get("allowed_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise _bad("allowed_token_ids", "must be a list of integers")
+        if not ids:
+            raise _bad("allowed_token_ids", "allowed_token_ids is not None and empty!")
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise _bad("allowed_token_ids", "allowed_token_ids contains out-of-vocab token id!")
+    words = body.get("bad_words")
+    if words is not None and (not isinstance(words, list) or not all(isinstance(w, str) for w in words)):
+        raise _bad("bad_words", "must be a list of strings")
+    words = list(dict.fromkeys(words or []))
+    if any(not w for w in words):
+        raise _bad("bad_words", f"bad_words cannot contain an empty string. Got bad_words={words}")
+    return (None if ids is None else tuple(ids)), tuple(words)
 
 
 def _unknown(body: dict[str, Any], known: frozenset[str]) -> None:
@@ -233,6 +254,7 @@ def parse(body: dict[str, Any], chat: bool, opts: OpenAIOptions, vocab_size: int
         raise _bad("truncation_side", "`truncation_side` must be either 'left' or 'right'.")
     truncate = _int(body, "truncate_prompt_tokens", -1, _INT64[1])
     priority = _int(body, "priority", *_INT64) or 0
+    allowed, bad_words = _allowed_and_bad(body, vocab_size)
     prompt_logprobs = _logprob_count(body, "prompt_logprobs", opts, vocab_size)
     if prompt_logprobs is not None and stream and body["prompt_logprobs"] != 0:
         raise _bad("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
@@ -245,7 +267,7 @@ def parse(body: dict[str, Any], chat: bool, opts: OpenAIOptions, vocab_size: int
         return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False),
         return_token_ids=_bool(body, "return_token_ids", False),
         echo=_bool(body, "echo", False), request_id=header_request_id or rid, priority=priority,
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs, allowed_token_ids=allowed, bad_words=bad_words)
     if not chat:
         return Extras(logprobs=_logprob_count(body, "logprobs", opts, vocab_size), **common)
     if body.get("continue_final_message") and _bool(body, "add_generation_prompt", True):

@@ -2,10 +2,15 @@
 truncation and max_tokens rule), and applying them to a tokenized prompt."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import msgspec
 
 from pagedserve.frontend.validation import Limits, ValidationError
 from pagedserve.v1 import generation_pb2 as pb
+
+MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,8 @@ class InputOptions:
     default_max_tokens: int | None = None  # before the clamp (the generation config's max_tokens)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's, checked (openai_extras)
+    bad_words: tuple[str, ...] = ()  # vLLM's, tokenized by the gateway into SamplingParams.bad_words_token_ids
 
 
 def truncation(opt: InputOptions, limits: Limits) -> int | None:
@@ -43,3 +50,33 @@ def clamp_max_tokens(sp: pb.SamplingParams, prompt_len: int, limits: Limits, def
         sp.max_tokens = min(sp.max_tokens, room) if room > 0 else sp.max_tokens
     else:
         sp.max_tokens = max(1, min(room, default) if default is not None else room)
+
+
+def bad_words_token_ids(words: tuple[str, ...], encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's SamplingParams.update_from_tokenizer: each word as it starts the text
+    (leading spaces dropped) and, when that makes a new first token of the same
+    length, with one leading space (the word inside the text)."""
+    out: list[list[int]] = []
+    for word in words:
+        for prefix in ("", " "):
+            ids = encode(prefix + word.lstrip())
+            if not ids:
+                if not prefix:
+                    raise ValidationError("bad_words", "bad_words entries must tokenize to at least one token.")
+                continue
+            if not prefix or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+                if len(out) > MAX_BAD_WORDS:
+                    raise ValidationError("bad_words", f"Too many bad words after tokenization: {len(out)}. "
+                                                       f"The max number is {MAX_BAD_WORDS}.")
+    return tuple(tuple(w) for w in out)
+
+
+def with_sampler_extras(prepared: Any, opt: InputOptions | None, encode: Callable[[str], list[int]]) -> Any:
+    """A prepared request (generation.PreparedRequest) with the options' allowed_token_ids and
+    bad_words in its engine params (they have no proto field: the HTTP routes add them here)."""
+    if opt is None or (opt.allowed_token_ids is None and not opt.bad_words):
+        return prepared
+    params = msgspec.structs.replace(prepared.prep.params, allowed_token_ids=opt.allowed_token_ids,
+                                     bad_words_token_ids=bad_words_token_ids(opt.bad_words, encode))
+    return replace(prepared, prep=replace(prepared.prep, params=params))

@@ -106,9 +106,12 @@ class Sampler:
         return _logprobs(raw, out, params)
 
     def process(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-        """min_tokens (no EOS / stop id before it) and logit_bias."""
+        """min_tokens (no EOS / stop id before it), logit_bias, and vLLM's
+        allowed_token_ids and bad_words (the last token of a bad word is banned
+        while the output ends with the tokens before it)."""
         masks: list[tuple[int, int]] = []
         biases: list[tuple[int, int, float]] = []
+        allowed: list[tuple[int, tuple[int, ...]]] = []
         vocab = logits.shape[1]
         for i, r in enumerate(rows):
             p = r.params
@@ -116,10 +119,20 @@ class Sampler:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
                 masks += [(i, t) for t in stops if 0 <= t < vocab]
             biases += [(i, t, b) for t, b in p.logit_bias.items() if 0 <= t < vocab]
-        if not (masks or biases):
+            if p.allowed_token_ids is not None:
+                allowed.append((i, p.allowed_token_ids))
+            if p.bad_words_token_ids:
+                masks += [(i, t) for t in banned_by_bad_words(p.bad_words_token_ids, r.token_ids[r.num_prompt_tokens:])
+                          if 0 <= t < vocab]
+        if not (masks or biases or allowed):
             return logits
         logits = logits.clone()
         dev = logits.device
+        for i, ids in allowed:  # vLLM masks the others before logit_bias and the penalties
+            keep = torch.full((vocab,), float("-inf"), dtype=logits.dtype, device=dev)
+            idx = torch.tensor([t for t in ids if 0 <= t < vocab], dtype=torch.long, device=dev)
+            keep[idx] = 0.0
+            logits[i] += keep
         if biases:
             r_idx, t_idx, vals = zip(*biases)
             index = (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev))
@@ -128,6 +141,18 @@ class Sampler:
             r_idx, t_idx = zip(*masks)
             logits[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = float("-inf")
         return logits
+
+
+def banned_by_bad_words(words: tuple[tuple[int, ...], ...], output: list[int]) -> list[int]:
+    """vLLM's _apply_bad_words_single_batch: the output tokens so far (not the prompt) against each word."""
+    out = []
+    for word in words:
+        if len(word) > len(output) + 1:
+            continue
+        prefix = word[:-1]
+        if not prefix or tuple(output[-len(prefix):]) == prefix:
+            out.append(word[-1])
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:

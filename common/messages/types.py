@@ -42,6 +42,11 @@ class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults
     length_penalty: float = 1.0
     early_stopping: bool = False
     structured: StructuredSpec | None = None  # structured outputs (never with beam search)
+    # vLLM's allowed_token_ids: only these may be sampled (None: any).
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's bad_words as token sequences: a sequence's last token is banned
+    # while the output ends with the rest of it.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
