@@ -194,13 +194,7 @@ class EngineClient:
             if isinstance(msg, (fe.Outputs, fe.EngineStats)):
                 self._check_frames(msg)
             if isinstance(msg, fe.Outputs):
-                now = time.monotonic()
-                if self.on_outputs is not None:
-                    self.on_outputs(msg.deltas)
-                for d in msg.deltas:
-                    routed = self._book.route(d)  # a resumed sample's delta, renamed to its request
-                    if routed is not None and (q := self._streams.get(routed.request_id)) is not None:
-                        q.put_nowait((now, routed))
+                self.dispatch(msg)
             else:
                 if isinstance(msg, fe.EngineStats):
                     if msg.query_id == 0:  # unsolicited: recovery started or ended
@@ -211,6 +205,17 @@ class EngineClient:
                 fut = self._queries.pop(msg.query_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
+
+    def dispatch(self, msg: fe.Outputs) -> None:
+        """One step's batch (one frame, decoded once) to the streams it names."""
+        now = time.monotonic()
+        if self.on_outputs is not None:
+            self.on_outputs(msg.deltas)
+        route, streams = self._book.route, self._streams
+        for d in msg.deltas:
+            routed = route(d)  # a resumed sample's delta, renamed to its request
+            if routed is not None and (q := streams.get(routed.request_id)) is not None:
+                q.put_nowait((now, routed))
 
     def _check_frames(self, msg: fe.Outputs | fe.EngineStats) -> None:
         """Which streams a lost frame held is unknown: every open one ends."""
