@@ -6,6 +6,7 @@
   pagedserve keygen DIR                    CurveZMQ keys for internal tcp:// sockets
   pagedserve healthcheck [grpc|http|tcp T]  exit 0 when this container's component is ready
   pagedserve bench NAME ...                pagedserve.bench.NAME.main(argv)
+  pagedserve ray-serve ...                 replicas on Ray Serve, KV-cache-aware routing (pagedserve[ray])
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ _COMPONENTS = {
     "generate": "pagedserve.client",
     "keygen": "pagedserve.common.curve",
     "healthcheck": "pagedserve.healthcheck",
+    "ray-serve": "pagedserve.rayserve.app",
 }
 
 
