@@ -20,6 +20,12 @@ from pagedserve.frontend.detokenizer import IncrementalDetokenizer, decode_whole
 
 Logprob = tuple[float, list[tuple[int, float]]]  # (logprob of the token, top-k (token, logprob))
 
+# An output that ends inside a multi-byte character (a length cut): its held
+# bytes are sent as U+FFFD, so the text is ``tokenizer.decode`` of its ids, as
+# in every release so far. vLLM 0.32's detokenizer drops them instead (False
+# here gives its text; tests/test_detokenizer_stream.py checks both).
+INCOMPLETE_END_AS_FFFD = True
+
 
 class StopChecker:
     """Finds the earliest stop string in streamed text and holds back any
@@ -102,8 +108,9 @@ class OutputState:
 
     def __init__(self, index: int, tokenizer: Any, prompt_ids: list[int], stops: tuple[str, ...],
                  include_stop: bool, want_logprobs: bool, skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True) -> None:
+                 spaces_between_special_tokens: bool = True, incomplete_end_as_fffd: bool = INCOMPLETE_END_AS_FFFD) -> None:
         self.index = index
+        self._fffd_end = incomplete_end_as_fffd
         self._tok = tokenizer
         self._prompt_ids = prompt_ids
         self._detok_kw = {"skip_special_tokens": skip_special_tokens,
@@ -146,9 +153,9 @@ class OutputState:
             [None] * len(d.token_ids)
         final = d.finish_reason is not None
         self.num_generated += len(d.token_ids)
-        for tok, lp in zip(d.token_ids, lps):
-            # At the end, bytes of an incomplete character are dropped, not sent as U+FFFD (vLLM's detokenizer).
-            text = "" if self._detok is None else self._detok.add([tok])
+        last = len(d.token_ids) - 1 if final and self._fffd_end else -1
+        for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
+            text = "" if self._detok is None else self._detok.add([tok], final=i == last)
             self._chars += len(text)
             self._pending.append([tok, lp if self._want_logprobs else None, None])
             if text:

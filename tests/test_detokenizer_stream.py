@@ -4,7 +4,9 @@ flags, byte-fallback tokens) and stop strings, streamed and not:
 
 * ``tokenizer.decode`` of the ids so far (after the prompt's context): the
   text sent after each token is the decoded text up to the last token that
-  completes a character; at a length cut an incomplete character is dropped;
+  completes a character; at a length cut inside a character the text is the
+  decoded ids, its end U+FFFD (as before), or, with vLLM's rule
+  (``incomplete_end_as_fffd=False``), without that character;
 * today's path, the Python loop over ``tokenizer.decode`` (forced through a
   tokenizer without ``backend_tokenizer``), also on random ids (invalid UTF-8,
   special and unknown ids), chunk by chunk through ``OutputState``;
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import decoders
 
 from models import train_tokenizer
 from pagedserve.common.messages import frontend as fe
@@ -157,8 +160,8 @@ def test_same_text_as_todays_path_on_random_ids(tok: Any) -> None:
 
 
 def _run(tok: Any, prompt: list[int], ids: list[int], stops: tuple[str, ...], include: bool,
-         per_token: bool) -> list[Chunk]:
-    st = OutputState(0, tok, prompt, stops, include, True)
+         per_token: bool, fffd_end: bool = True) -> list[Chunk]:
+    st = OutputState(0, tok, prompt, stops, include, True, incomplete_end_as_fffd=fffd_end)
     groups = [[t] for t in ids] if per_token else [ids]
     chunks = []
     for i, g in enumerate(groups):
@@ -177,18 +180,19 @@ def _merged(chunks: list[Chunk]) -> Chunk:
     return m[0]
 
 
+@pytest.mark.parametrize("fffd_end", [True, False])
 @pytest.mark.parametrize("include", [False, True])
-def test_stop_strings_streamed_and_not(tok: Any, include: bool) -> None:
+def test_stop_strings_streamed_and_not(tok: Any, include: bool, fffd_end: bool) -> None:
     prompt = _ids(tok, "Say:")
     for text in TEXTS:
         ids = _ids(tok, text)
         full = _reference(tok, prompt[-6:], ids)[-1]
         for stop in [s for s in STOPS if s in full] + ["never-there"]:
             stops = (stop, "zzz-never")
-            streamed = _run(tok, prompt, ids, stops, include, per_token=True)
+            streamed = _run(tok, prompt, ids, stops, include, True, fffd_end)
             # Today's path, chunk by chunk: the same text, ids, logprobs and reasons.
-            assert streamed == _run(SlowPath(tok), prompt, ids, stops, include, per_token=True), (text, stop)
-            whole = _merged(_run(tok, prompt, ids, stops, include, per_token=False))
+            assert streamed == _run(SlowPath(tok), prompt, ids, stops, include, True, fffd_end), (text, stop)
+            whole = _merged(_run(tok, prompt, ids, stops, include, False, fffd_end))
             m = _merged(streamed)
             assert (m.text, m.token_ids, m.finish_reason, m.stop_reason) == \
                 (whole.text, whole.token_ids, whole.finish_reason, whole.stop_reason)
@@ -203,15 +207,26 @@ def test_stop_strings_streamed_and_not(tok: Any, include: bool) -> None:
             assert m.token_ids == ids[:next(k for k, t in enumerate(owed, 1) if stop in t)]
 
 
-def test_length_cut_inside_a_character_drops_it(tok: Any) -> None:
+def test_length_cut_inside_a_character(tok: Any) -> None:
     ids = _ids(tok, "東京🙂")
     cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
     if not cuts:
         pytest.skip("this tokenizer has whole-character tokens for this text")
     for k in cuts:
-        m = _merged(_run(tok, [], ids[:k], (), False, per_token=True))
-        assert m.text == _reference(tok, [], ids[:k])[-1] and not m.text.endswith("\ufffd")
-        assert m.token_ids == ids[:k] and m.finish_reason == "length"  # every token still counts
+        for per_token in (True, False):
+            # As before (the Python path): the incomplete end as U+FFFD; for a byte-level
+            # tokenizer that is the decoded ids (ByteFallback turns a whole run of byte
+            # tokens that does not decode into U+FFFDs, the complete 東 too).
+            m = _merged(_run(tok, [], ids[:k], (), False, per_token))
+            assert m == _merged(_run(SlowPath(tok), [], ids[:k], (), False, per_token))
+            assert m.text.endswith("\ufffd")
+            if isinstance(tok.backend_tokenizer.decoder, decoders.ByteLevel):
+                assert m.text == tok.decode(ids[:k], skip_special_tokens=True)
+            # vLLM's rule: the incomplete character is dropped.
+            v = _merged(_run(tok, [], ids[:k], (), False, per_token, fffd_end=False))
+            assert v.text == _reference(tok, [], ids[:k])[-1] and not v.text.endswith("\ufffd")
+            for c in (m, v):
+                assert c.token_ids == ids[:k] and c.finish_reason == "length"  # every token still counts
 
 
 def test_whole_beam_keeps_todays_text(tok: Any) -> None:
@@ -265,5 +280,5 @@ def test_same_text_and_stops_as_vllm(tok: Any, tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     theirs = json.loads(run.stdout.strip().splitlines()[-1])
     for (_, prompt, ids, stops, include), (text, stop, num_ids) in zip(cases, theirs):
-        m = _merged(_run(tok, prompt, ids, tuple(stops), include, per_token=True))
+        m = _merged(_run(tok, prompt, ids, tuple(stops), include, True, fffd_end=False))
         assert (m.text, m.stop_reason, len(m.token_ids)) == (text, stop, num_ids), (ids, stops, include)
