@@ -45,6 +45,7 @@ from pagedserve.frontend.openai_extras import Extras
 from pagedserve.frontend.openai_options import OpenAIOptions
 from pagedserve.frontend.outputs import Chunk
 from pagedserve.frontend.prompt_options import InputOptions, with_sampler_extras
+from pagedserve.frontend.tool_parsers import PARSERS
 from pagedserve.frontend.validation import DEFAULT_COMPLETION_MAX_TOKENS, MAX_REQUEST_BYTES, Limits, ValidationError
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -311,6 +312,8 @@ class Gateway:
             tool_mode, tools, body = openai_tools.take_tools(body, self.opts)
         except ValidationError as e:
             raise ApiError(400, str(e), param=e.field) from None
+        if tool_mode is not None and tool_mode.parser is not None and PARSERS[tool_mode.parser].keeps_special_tokens:
+            x = replace(x, skip_special_tokens=False)  # vLLM's hermes adjust_request
         tok = self.svc.tokenizer
         template = x.chat_template or self.opts.chat_template
         if not template and not has_chat_template(tok):

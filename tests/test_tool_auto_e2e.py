@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,3 +101,39 @@ def test_auto_without_the_flags_is_vllms_400() -> None:
                                                                     tool_call_parser="hermes"))
     assert mode is not None and mode.parser == "hermes" and mode.schema is None and tools == TOOLS
     assert "tools" not in rest and "tool_choice" not in rest
+
+
+STRICT = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city", "strict": True,
+                                            "parameters": {"type": "object", "required": ["city"],
+                                                           "properties": {"city": {"enum": ["Paris"]}}}}},
+          {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+
+
+def test_named_and_required_follow_vllms_hermes_grammar(client: openai.OpenAI) -> None:
+    # vLLM 0.32 with hermes: the output is <tool_call> blocks (tool_grammar), read by the parser;
+    # named finishes with the engine's "stop", required with "tool_calls"; content "" for both.
+    model = client.models.list().data[0].id
+    for choice, finish in (({"type": "function", "function": {"name": "get_weather"}}, "stop"), ("required", "tool_calls")):
+        r = client.chat.completions.create(model=model, messages=MESSAGES, tools=STRICT, tool_choice=choice,  # type: ignore[arg-type]
+                                           temperature=0, max_tokens=200, parallel_tool_calls=False)
+        ch = r.choices[0]
+        assert ch.finish_reason == finish and ch.message.content == "", ch
+        [tc] = ch.message.tool_calls  # type: ignore[misc]
+        if choice != "required" or tc.function.name == "get_weather":
+            assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == {"city": "Paris"}
+
+
+def test_hermes_keeps_special_tokens_as_vllm(client: openai.OpenAI) -> None:
+    # vLLM's hermes adjust_request: skip_special_tokens off for a request with tools.
+    base = str(client.base_url).removesuffix("/v1/")
+    req = urllib.request.Request(base + "/tokenize", data=json.dumps({"prompt": "<|im_end|>",
+                                 "add_special_tokens": False}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        [eos] = json.load(resp)["tokens"]
+    body = {"logit_bias": {str(eos): 100}, "ignore_eos": True}
+    model = client.models.list().data[0].id
+    plain = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0,  # type: ignore[arg-type]
+                                           extra_body=body)
+    tools = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0, tools=TOOLS,  # type: ignore[arg-type]
+                                           extra_body=body)
+    assert plain.choices[0].message.content == "" and tools.choices[0].message.content == "<|im_end|>" * 2

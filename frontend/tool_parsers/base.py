@@ -59,6 +59,9 @@ class ToolParser:
     # vLLM's structural_tag_model, where we build its grammar (frontend/tool_grammar.py): named and
     # "required" tool choice are then read by this parser under that grammar, as vLLM does.
     structural_tag: ClassVar[bool] = False
+    # vLLM's adjust_request turns skip_special_tokens off for a request with tools (and
+    # tool_choice not "none"): its tags may be special tokens of some models.
+    keeps_special_tokens: ClassVar[bool] = False
 
     def __init__(self) -> None:
         # vLLM's shared streaming state: what each call parsed and what was sent of its arguments

@@ -20,6 +20,7 @@ _ARGS = re.compile(r'"arguments"\s*:\s*')
 class HermesParser(ToolParser):
     name = "hermes"
     structural_tag = True
+    keeps_special_tokens = True
 
     def __init__(self) -> None:
         super().__init__()
