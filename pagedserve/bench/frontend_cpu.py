@@ -43,15 +43,21 @@ TEXT = ("The quick brown fox jumps over the lazy dog; café, naïve, jalapeño. 
         "def f(x):\n    return x ** 2  # code too\n\n")
 
 
-# Runs `pagedserve frontend` from another source folder (argv[1]: a folder holding a
-# `pagedserve` package with its components inside), past the editable install's finder.
+# Runs module argv[2] (with the arguments after it) from another source folder
+# (argv[1]: a folder holding a `pagedserve` package with its components inside),
+# past the editable install's finder: a before/after comparison.
 _FROM_SOURCE = (
     "import runpy, sys\n"
     "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
     "sys.path.insert(0, sys.argv[1])\n"
-    "sys.argv = ['pagedserve', 'frontend', *sys.argv[2:]]\n"
-    "runpy.run_module('pagedserve', run_name='__main__', alter_sys=True)\n"
+    "sys.argv = [sys.argv[2], *sys.argv[3:]]\n"
+    "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
 )
+
+
+def _module(name: str, frontend_from: str | None) -> list[str]:
+    return [sys.executable, "-c", _FROM_SOURCE, frontend_from, name] if frontend_from else \
+        [sys.executable, "-m", name]
 
 
 @dataclass
@@ -180,9 +186,9 @@ def run(model: str, protocols: list[str], requests: int, concurrency: int, max_t
                                "--scheduler-out", sout, "--ids", ids_file, "--step-ms", str(step_ms),
                                "--vocab-size", str(len(tok))], stdout=logs[0], stderr=subprocess.STDOUT, env=env)
     # `pagedserve frontend` leaves by os._exit, past cProfile's own dump: profiled() dumps first.
-    entry = ["-m", "pagedserve.bench.frontend_cpu", "--profiled-frontend", profile] if profile else \
-        ["-c", _FROM_SOURCE, frontend_from] if frontend_from else ["-m", "pagedserve", "frontend"]
-    frontend = subprocess.Popen([sys.executable, *entry, "--model", model_dir,
+    entry = [sys.executable, "-m", "pagedserve.bench.frontend_cpu", "--profiled-frontend", profile] if profile \
+        else [*_module("pagedserve", frontend_from), "frontend"]
+    frontend = subprocess.Popen([*entry, "--model", model_dir,
                                  "--scheduler-in", sin, "--scheduler-out", sout, "--port", str(grpc_port),
                                  "--http-port", str(http_port), "--served-model-name", "bench",
                                  "--disable-log-stats"], stdout=logs[1], stderr=subprocess.STDOUT, env=env)
@@ -212,6 +218,26 @@ def run(model: str, protocols: list[str], requests: int, concurrency: int, max_t
     return results
 
 
+def run_core(model: str, concurrency: int, max_tokens: int, frontend_from: str | None = None) -> Result:
+    """``frontend_cpu_core`` in a process of its own (from ``frontend_from`` if given)."""
+    from pagedserve.common.default_model import resolve_model
+    from pagedserve.frontend.tokenizer import load
+
+    model_dir = resolve_model(model or None)
+    run = subprocess.run([*_module("pagedserve.bench.frontend_cpu_core", frontend_from), model_dir,
+                          str(concurrency), str(max_tokens)], capture_output=True, text=True, timeout=600)
+    if run.returncode:
+        raise RuntimeError(run.stderr[-3000:])
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    texts: list[str] = out["texts"]
+    tok = load(model_dir)
+    ids = tok(TEXT * 8, add_special_tokens=False).input_ids
+    streamed = [([ids[(i * 7919 + k) % len(ids)] for k in range(max_tokens)], t) for i, t in enumerate(texts)]
+    sha = hashlib.sha256("\x00".join(sorted(texts)).encode()).hexdigest()[:16]
+    return Result("core", concurrency, out["tokens"], 0.0, round(out["cpu_s"], 3),
+                  round(1000 * out["cpu_s"] / out["tokens"], 4), 0.0, sha, *text_checks(tok, streamed))
+
+
 def profiled(out: str, argv: list[str]) -> int:
     """``pagedserve frontend ARGV`` under cProfile, its stats written to ``out``."""
     import cProfile
@@ -238,14 +264,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--step-ms", type=float, default=20.0, help="the simulated decode step")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--core", action="store_true", help="the frontend's own work per token, no transport "
+                                                       "(frontend_cpu_core, one process): --concurrency streams")
     p.add_argument("--profile", default=None, metavar="FILE", help="run the frontend under cProfile, stats to FILE")
     p.add_argument("--frontend-from", default=None, metavar="DIR",
                    help="run the frontend from this folder's `pagedserve` package (e.g. an older checkout laid "
                         "out as installed), for a before/after comparison")
     args = p.parse_args(argv)
     protocols = ["grpc", "http"] if args.protocol == "both" else [args.protocol]
-    results = run(args.model, protocols, args.requests, args.concurrency, args.max_tokens, args.step_ms,
-                  profile=args.profile, frontend_from=args.frontend_from)
+    if args.core:
+        results = [run_core(args.model, args.concurrency, args.max_tokens, args.frontend_from)]
+    else:
+        results = run(args.model, protocols, args.requests, args.concurrency, args.max_tokens, args.step_ms,
+                      profile=args.profile, frontend_from=args.frontend_from)
     meta = {"machine": machine_info(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
             "concurrency": args.concurrency, "max_tokens": args.max_tokens, "step_ms": args.step_ms}
     if args.json:
