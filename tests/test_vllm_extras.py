@@ -107,7 +107,9 @@ def test_continue_final_message_renders_as_the_tokenizer_and_echoes(srv: Server,
     assert r["prompt_token_ids"] == tok(want, add_special_tokens=False).input_ids
     msg = r["choices"][0]["message"]
     assert msg["role"] == "assistant" and msg["content"].startswith("The capital is")
-    assert msg["content"] == "The capital is" + tok.decode(r["choices"][0]["token_ids"], skip_special_tokens=True)
+    # vLLM 0.32's detokenizer drops a character still incomplete at the length cut (no U+FFFD at the end).
+    text = tok.decode(r["choices"][0]["token_ids"], skip_special_tokens=True).rstrip("\ufffd")
+    assert msg["content"] == "The capital is" + text
     code, e, _ = post(srv.http, "/v1/chat/completions", {"messages": msgs, "continue_final_message": True,
                                                          "add_generation_prompt": True})
     assert code == 400 and "continue_final_message" in e["error"]["message"]
