@@ -100,7 +100,7 @@ def take_tools(body: dict[str, Any], opts: OpenAIOptions | None = None
         return _tagged(opts.tool_call_parser, tools, choice, parallel), tools, rest
     if choice == "none":
         return None, tools, rest
-    if auto and opts is not None and PARSERS[opts.tool_call_parser].structural_tag and \
+    if auto and opts is not None and PARSERS[opts.tool_call_parser].structural_tag is not None and \
             (choice == "required" or (isinstance(choice, dict) and _named(choice) in funcs)):
         return _tagged(opts.tool_call_parser, tools, choice, parallel), tools, rest
     if choice == "required":
@@ -129,8 +129,9 @@ def _tagged(parser: str, tools: list[dict[str, Any]], choice: Any, parallel: boo
     """A parser-read mode; with a structural-tag parser (hermes), vLLM's grammar of its calls."""
     kind = "auto" if choice in (None, "auto") else "required" if choice == "required" else "named"
     grammar = None
-    if PARSERS[parser].structural_tag:
-        tag = tool_grammar.structural_tag(tools, choice, parallel)
+    model = PARSERS[parser].structural_tag
+    if model is not None:
+        tag = tool_grammar.structural_tag(tools, choice, parallel, model)
         grammar = None if tag is None else tool_grammar.to_ebnf(tag)
     return ToolMode(None, None, parser, parallel, grammar, kind)
 

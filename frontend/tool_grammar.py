@@ -1,5 +1,6 @@
 """The grammar vLLM 0.32 puts on a tool request when its tool-call parser has
-a structural-tag model (``--tool-call-parser hermes``): an xgrammar
+a structural-tag model (``--tool-call-parser hermes``; ``llama3_json``:
+xgrammar's builtin ``llama`` template, built by xgrammar): an xgrammar
 structural tag of ``<tool_call>`` blocks (vllm/tool_parsers/
 structural_tag_registry.py, ``_hermes_style_structural_tag``), not the JSON
 array of its parser-less path.
@@ -47,6 +48,7 @@ basic_number_2 ::= (("0") | ([1-9] [0-9]*))
 basic_number_3 ::= ("" | ("." basic_number_digits{1, -1}))
 basic_number_4 ::= ("" | ([+\-]))
 basic_number_5 ::= ("" | ([eE] basic_number_4 basic_number_digits{1, -1}))'''
+_CALL_LISTS = ("triggered_tags", "token_triggered_tags", "tags_with_separator")
 _FORMS = ((START + '\n{"name": "', "}\n" + END), (START + '{"name": "', "}" + END))
 
 
@@ -66,11 +68,43 @@ def _tags(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def structural_tag(tools: list[dict[str, Any]], choice: Any, parallel: bool | None) -> dict[str, Any] | None:
-    """vLLM's structural tag for these tools and this tool_choice (None: no grammar)."""
+def _single_call(node: Any) -> None:
+    """vLLM's limit_to_single_tool_call: every list of calls stops after its first."""
+    if isinstance(node, dict):
+        if node.get("type") in _CALL_LISTS:
+            node["stop_after_first"] = True
+        for v in node.values():
+            _single_call(v)
+    elif isinstance(node, list):
+        for v in node:
+            _single_call(v)
+
+
+def _xgrammar_builtin(model: str, tools: list[dict[str, Any]], choice: Any, single: bool) -> dict[str, Any] | None:
+    """A tag from xgrammar's own model templates (``llama``), its tools' strictness
+    pinned as vLLM's resolve_tool_strictness does (a parallel-off request: level FUNCTION)."""
+    if choice in (None, "auto") and not single and not any(_strict(t) for t in tools):
+        return None
+    import xgrammar  # only here: it imports torch
+
+    pinned = [{**t, "function": {**t["function"], "strict": _strict(t)}} for t in tools]
+    tag: dict[str, Any] = xgrammar.get_model_structural_tag(
+        model=model, tools=pinned, tool_choice="auto" if choice is None else choice, reasoning=False
+    ).model_dump(mode="json")
+    if single:
+        _single_call(tag)
+    return tag
+
+
+def structural_tag(tools: list[dict[str, Any]], choice: Any, parallel: bool | None,
+                   model: str = "hermes") -> dict[str, Any] | None:
+    """vLLM's structural tag for these tools and this tool_choice (None: no grammar);
+    ``model``: the parser's structural-tag model ("hermes", or xgrammar's "llama")."""
     single = parallel is False
     if choice == "none" or not tools:
         return None
+    if model != "hermes":
+        return _xgrammar_builtin(model, tools, choice, single)
     if choice in (None, "auto"):
         if not single and not any(_strict(t) for t in tools):
             return None  # resolve_tool_strictness: no tag for auto without a strict tool
@@ -88,7 +122,9 @@ def structural_tag(tools: list[dict[str, Any]], choice: Any, parallel: bool | No
 def to_ebnf(tag: dict[str, Any]) -> str:
     """The structural tag as xgrammar EBNF text."""
     fmt = tag["format"]
-    plain = fmt["type"] == "tags_with_separator" and all(t["content"]["json_schema"] is True for t in fmt["tags"])
+    plain = fmt["type"] == "tags_with_separator" and all(
+        t["type"] == "tag" and t["content"]["json_schema"] is True and t["begin"].startswith(START)
+        for t in fmt["tags"])
     if not plain:
         import xgrammar  # only here: strict tools or triggered tags need xgrammar's own conversion
 

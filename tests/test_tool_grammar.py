@@ -68,11 +68,11 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.tool_parsers.structural_tag_registry import get_model_structural_tag, limit_to_single_tool_call
 from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
 out = []
-for tools, choice, parallel in json.loads(sys.stdin.read()):
+for model, tools, choice, parallel in json.loads(sys.stdin.read()):
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
                                 tool_choice=choice, parallel_tool_calls=parallel)
     level = ToolStrictLevel.FUNCTION if parallel is False else ToolStrictLevel.AUTO  # _apply_structural_tag
-    tag = get_model_structural_tag("hermes", req.tools, req.tool_choice, False, strict_level=level)
+    tag = get_model_structural_tag(model, req.tools, req.tool_choice, False, strict_level=level)
     if tag is not None and parallel is False:
         limit_to_single_tool_call(tag)
     out.append(None if tag is None else tag.model_dump(mode="json"))
@@ -84,7 +84,7 @@ def _strip_defaults(node: Any) -> Any:
     """Keep the keys our tag sets (vLLM's dump also lists every default)."""
     if isinstance(node, dict):
         keep = {"type", "format", "tags", "triggers", "begin", "end", "content", "json_schema", "separator",
-                "at_least_one", "stop_after_first"}
+                "at_least_one", "stop_after_first", "elements", "value", "pattern"}
         return {k: _strip_defaults(v) for k, v in node.items() if k in keep}
     if isinstance(node, list):
         return [_strip_defaults(v) for v in node]
@@ -94,12 +94,16 @@ def _strip_defaults(node: Any) -> Any:
 @pytest.mark.skipif(not (PEERS / ".peers-stamp").exists(), reason="the peer venv with vLLM 0.32 is not installed "
                                                                   "(scripts/setup-peers.sh)")
 def test_the_tag_is_vllms(tmp_path: Path) -> None:
+    # hermes (built here) and llama3_json's "llama" (xgrammar's builtin template, pinned strictness).
+    cases = [(model, *case) for model in ("hermes", "llama") for case in CASES]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    proc = subprocess.run([str(PEERS / "bin" / "python"), "-c", _PEER_CODE], input=json.dumps(CASES),
+    proc = subprocess.run([str(PEERS / "bin" / "python"), "-c", _PEER_CODE], input=json.dumps(cases),
                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     theirs = json.loads(proc.stdout.strip().splitlines()[-1])
-    for (tools, choice, parallel), ref in zip(CASES, theirs):
-        ours = structural_tag(tools, choice, parallel)
+    for (model, tools, choice, parallel), ref in zip(cases, theirs):
+        ours = structural_tag(tools, choice, parallel, model)
         assert (None if ours is None else _strip_defaults(ours)) == (None if ref is None else _strip_defaults(ref)), \
-            (choice, parallel)
+            (model, choice, parallel)
+        if ours is not None:
+            to_ebnf(ours)  # xgrammar takes it

@@ -58,7 +58,7 @@ class ToolParser:
     needs_token: ClassVar[str | None] = None
     # vLLM's structural_tag_model, where we build its grammar (frontend/tool_grammar.py): named and
     # "required" tool choice are then read by this parser under that grammar, as vLLM does.
-    structural_tag: ClassVar[bool] = False
+    structural_tag: ClassVar[str | None] = None
     # vLLM's adjust_request turns skip_special_tokens off for a request with tools (and
     # tool_choice not "none"): its tags may be special tokens of some models.
     keeps_special_tokens: ClassVar[bool] = False

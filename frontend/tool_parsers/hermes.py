@@ -19,7 +19,7 @@ _ARGS = re.compile(r'"arguments"\s*:\s*')
 
 class HermesParser(ToolParser):
     name = "hermes"
-    structural_tag = True
+    structural_tag = "hermes"
     keeps_special_tokens = True
 
     def __init__(self) -> None:

@@ -26,6 +26,7 @@ def _common_prefix(a: str, b: str) -> str:
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    structural_tag = "llama"  # xgrammar's builtin template, as vLLM's Llama3JsonToolParser
     needs_token = BOT
 
     def extract(self, text: str) -> tuple[str | None, list[Call]]:
