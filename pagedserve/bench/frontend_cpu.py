@@ -238,6 +238,35 @@ def run_core(model: str, concurrency: int, max_tokens: int, frontend_from: str |
                   round(1000 * out["cpu_s"] / out["tokens"], 4), 0.0, sha, *text_checks(tok, streamed))
 
 
+class _DecodeOnly:
+    """A tokenizer seen without its Rust backend: the detokenizer's Python loop (the path before issue 23)."""
+
+    def __init__(self, tok: Any) -> None:
+        self.decode = tok.decode
+
+
+def run_detokenizer(model: str, repeat: int = 5) -> list[Result]:
+    """The detokenizer alone, one stream of the bench's text, DecodeStream and the Python loop (best of ``repeat``)."""
+    from pagedserve.common.default_model import resolve_model
+    from pagedserve.frontend.detokenizer import IncrementalDetokenizer
+    from pagedserve.frontend.tokenizer import load
+
+    tok = load(resolve_model(model or None))
+    ids = tok(TEXT * 8, add_special_tokens=False).input_ids
+    results = []
+    for name, t in (("detokenizer, DecodeStream", tok), ("detokenizer, Python loop", _DecodeOnly(tok))):
+        best, text = float("inf"), ""
+        for _ in range(repeat):
+            d = IncrementalDetokenizer(t, [], True)
+            c0 = time.process_time()
+            text = "".join(d.add([i]) for i in ids)
+            best = min(best, time.process_time() - c0)
+        ok = int(text == tok.decode(ids, skip_special_tokens=True))
+        results.append(Result(name, 1, len(ids), 0.0, round(best, 4), round(1000 * best / len(ids), 5), 0.0,
+                              hashlib.sha256(text.encode()).hexdigest()[:16], ok, ok))
+    return results
+
+
 def profiled(out: str, argv: list[str]) -> int:
     """``pagedserve frontend ARGV`` under cProfile, its stats written to ``out``."""
     import cProfile
@@ -264,6 +293,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--step-ms", type=float, default=20.0, help="the simulated decode step")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--detokenizer", action="store_true", help="the detokenizer alone: DecodeStream and the "
+                                                              "Python loop over tokenizer.decode")
     p.add_argument("--core", action="store_true", help="the frontend's own work per token, no transport "
                                                        "(frontend_cpu_core, one process): --concurrency streams")
     p.add_argument("--profile", default=None, metavar="FILE", help="run the frontend under cProfile, stats to FILE")
@@ -272,7 +303,9 @@ def main(argv: list[str]) -> int:
                         "out as installed), for a before/after comparison")
     args = p.parse_args(argv)
     protocols = ["grpc", "http"] if args.protocol == "both" else [args.protocol]
-    if args.core:
+    if args.detokenizer:
+        results = run_detokenizer(args.model)
+    elif args.core:
         results = [run_core(args.model, args.concurrency, args.max_tokens, args.frontend_from)]
     else:
         results = run(args.model, protocols, args.requests, args.concurrency, args.max_tokens, args.step_ms,
