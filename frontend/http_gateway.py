@@ -353,8 +353,8 @@ class Gateway:
                   role, echo_text, prompt)
         as_id = x.return_tokens_as_token_ids
 
-        def logprobs(c: Chunk) -> Any:
-            return chat_logprobs(self, c, as_id)
+        def logprobs(c: Chunk, context: list[int] | None = None) -> Any:  # context: a stream's earlier ids
+            return chat_logprobs(self, c, as_id, context)
 
         choice = self._chat_choice(as_id) if tool_mode is None else \
             openai_tools.choice_formatter(tool_mode, logprobs, x.return_token_ids)

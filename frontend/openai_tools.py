@@ -234,7 +234,7 @@ def tool_calls(mode: ToolMode, text: str) -> list[dict[str, Any]] | None:
              "function": {"name": n, "arguments": json.dumps(a)}} for n, a in pairs]
 
 
-def choice_formatter(mode: ToolMode, logprobs: Callable[[Chunk], Any], send_ids: bool = False
+def choice_formatter(mode: ToolMode, logprobs: Callable[..., Any], send_ids: bool = False
                      ) -> Callable[[Chunk, dict[str, Any] | None], dict[str, Any] | None]:
     """The gateway's chat choice builder for a tool-enforced or auto request."""
     if mode.parser is not None:
@@ -273,6 +273,7 @@ def choice_formatter(mode: ToolMode, logprobs: Callable[[Chunk], Any], send_ids:
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             else:
                 delta["content"] = acc["text"]
-        return {"index": c.index, "delta": delta, "logprobs": logprobs(c), "finish_reason": finish(c, calls)}
+        return {"index": c.index, "delta": delta, "logprobs": logprobs(c, acc.setdefault("lp_context", [])),
+                "finish_reason": finish(c, calls)}
 
     return build

@@ -23,7 +23,7 @@ from pagedserve.frontend.tool_parsers import PARSERS
 Choice = dict[str, Any]
 
 
-def formatter(parser: str, parallel: bool | None, logprobs: Callable[[Chunk], Any], choice: str = "auto",
+def formatter(parser: str, parallel: bool | None, logprobs: Callable[..., Any], choice: str = "auto",
               send_ids: bool = False) -> Callable[[Chunk, dict[str, Any] | None], Choice | None]:
     """``choice``: "auto", "required" or "named"; ``send_ids``: the request asked for
     token ids, so a held-back delta still sends its chunk (vLLM's return_token_ids)."""
@@ -57,7 +57,7 @@ def formatter(parser: str, parallel: bool | None, logprobs: Callable[[Chunk], An
                 msg["tool_calls"] = [t for t in msg["tool_calls"] if t["index"] == 0]
                 if not msg["tool_calls"]:
                     del msg["tool_calls"]
-        lp = logprobs(c)
+        lp = logprobs(c, acc.setdefault("lp_context", []))
         first = not acc.get("role_sent")
         if msg is None and not finished and lp is None and not first and not (send_ids and c.token_ids):
             return None  # the parser holds this text back (a tag may be starting)

@@ -135,3 +135,17 @@ def test_a_byte_tokens_string_waits_for_its_character() -> None:
     strings = [decoded_token(Gw, t, ids[:i]) for i, t in enumerate(ids)]  # type: ignore[arg-type]
     assert "".join(strings) == "é🙂" and all(s in ("", "é", "🙂") for s in strings)
     assert strings[-1] == "🙂" and len(ids) > 2
+
+
+def test_streamed_logprob_strings_equal_the_whole_answers(srv: Server) -> None:
+    # A byte token's string depends on the tokens before it: a stream keeps them per choice.
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    code, whole, _ = post(srv.http, "/v1/chat/completions", body)
+    assert code == 200
+    code, raw, _ = post(srv.http, "/v1/chat/completions", {**body, "stream": True})
+    from test_vllm_extras import events
+
+    streamed = [e for ev in events(raw) for ch in ev["choices"] for e in (ch.get("logprobs") or {}).get("content", [])]
+    assert [(e["token"], e["bytes"]) for e in streamed] == \
+        [(e["token"], e["bytes"]) for e in whole["choices"][0]["logprobs"]["content"]]
