@@ -32,7 +32,7 @@ import urllib.request
 from datetime import datetime, timezone
 from typing import Any
 
-SERVE_ARGS = ["--worker", "sim", "--num-gpu-blocks", "1024", "--max-model-len", "16384", "--max-num-seqs", "16"]
+SERVE_ARGS = ["--worker", "sim", "--num-gpu-blocks", "4096", "--max-model-len", "16384", "--max-num-seqs", "16"]
 SIM_ENV = {"PAGEDSERVE_SIM_TIME_SCALE": "1"}
 
 
@@ -66,7 +66,7 @@ def _stream(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
             "replica": last.get("replica"), "prefix_cache": last.get("prefix_cache")}
 
 
-def run_workload(url: str, users: int, turns: int, seed: int, kill: Any = None, opening: int = 1500,
+def run_workload(url: str, users: int, turns: int, seed: int, kill: Any = None, opening: int = 3000,
                  message: int = 100, answer: int = 32) -> dict[str, Any]:
     """Each user: an ``opening``-token first prompt (their own system prompt and question), then per
     turn the answer's token ids and a new ``message``-token message; answers of ``answer`` tokens;
@@ -88,6 +88,7 @@ def run_workload(url: str, users: int, turns: int, seed: int, kill: Any = None, 
                 with lock:
                     lost.append(f"user {u} turn {t}: {type(e).__name__}: {e}")
                 return
+            r["turn"] = t
             with lock:
                 results.append(r)
             history += r["ids"] + messages[u][t]  # the conversation grows by the answer and a new message
@@ -114,7 +115,9 @@ def run_workload(url: str, users: int, turns: int, seed: int, kill: Any = None, 
             "throughput_tok_s": round(sum(len(r["ids"]) for r in results) / wall, 1),
             "ttft_p50_s": round(statistics.median(ttfts), 4),
             "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 4),
-            "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0, "replicas_seen": len(latest)}
+            "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0, "replicas_seen": len(latest),
+            "ttft_max_by_turn_s": [round(max((r["ttft"] for r in results if r["turn"] == t), default=0.0), 3)
+                                   for t in range(turns)]}
 
 
 def _kill_one_replica() -> None:
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of (round-robin, kv)")
     p.add_argument("--users", type=int, default=30)
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--opening", type=int, default=1500, help="tokens of each user's first prompt")
+    p.add_argument("--opening", type=int, default=3000, help="tokens of each user's first prompt")
     p.add_argument("--kill", action="store_true", help="also kill a replica mid-run in a kv run")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
