@@ -86,6 +86,23 @@ def test_worker_reports_modelled_time_without_sleeping() -> None:
     assert w.init().model.model_name == "simulated:opt-13b/a100-40gb"
 
 
+def test_real_time_worker_sleeps_its_modelled_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGEDSERVE_SIM_TIME_SCALE=F: each step lasts F times its modelled time (end-to-end latency runs)."""
+    params = SamplingParams(max_tokens=4)
+    monkeypatch.setenv("PAGEDSERVE_SIM_TIME_SCALE", "2")
+    w = SimWorker.from_config(EngineConfig(worker="sim", num_gpu_blocks=64, block_size=16))
+    assert w.time_scale == 2.0
+    prompt = list(range(1, 400))
+    step = _step(0, [(wk.NewSeq(1, prompt, 0, params, len(prompt)), list(range(1, 26)))], [(1, len(prompt))])
+    t0 = time.perf_counter()
+    t = w.execute(step).forward_time_s
+    slept = time.perf_counter() - t0
+    assert t > 0.01 and 2 * t <= slept < 2 * t + 0.5
+    monkeypatch.setenv("PAGEDSERVE_SIM_TIME_SCALE", "-1")
+    with pytest.raises(ValueError, match="PAGEDSERVE_SIM_TIME_SCALE"):
+        SimWorker.from_config(EngineConfig(worker="sim"))
+
+
 def test_from_config_process_form(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PAGEDSERVE_SIM_COST_MODEL", raising=False)
     w = SimWorker.from_config(EngineConfig(worker="sim", swap_space=1.0))
