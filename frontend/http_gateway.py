@@ -178,8 +178,9 @@ class Gateway:
     async def _sampling_off_loop(self, body: dict[str, Any], req: pb.GenerateRequest, max_tokens: int | None,
                                  then: Callable[[], None] | None = None, grammar: bool = False) -> None:
         """``_sampling`` (and ``then``) on the tokenizer thread when the body asks
-        for a grammar: its check parses the spec with xgrammar (the first one also
-        imports it, 1-2 s), which must not stall the other streams on this loop."""
+        for a grammar: its check waits for the grammar-check child's xgrammar parse
+        (frontend/grammar_check.py; the first one starts the child, 1-2 s), which must
+        not stall the other streams on this loop."""
         def build() -> None:
             self._sampling(body, req, max_tokens)
             if then is not None:
