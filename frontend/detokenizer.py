@@ -39,9 +39,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True) -> None:
         self._tok = tokenizer
-        # The window as the Python loop keeps it: ids[prefix:read] spelled the last emitted text.
+        # The window: ids[:read] spelled the last emitted text, the ids after it are held.
         self._ids = list(prompt_ids[-_CONTEXT:])
-        self._prefix = 0
         self._read = len(self._ids)
         self._kw = {"skip_special_tokens": skip_special_tokens, "clean_up_tokenization_spaces": False}
         if not spaces_between_special_tokens:
@@ -86,12 +85,12 @@ class IncrementalDetokenizer:
     def _advance(self) -> None:
         """The window moves on: the text just emitted becomes its start."""
         del self._ids[:self._read]
-        self._prefix, self._read = 0, len(self._ids)
+        self._read = len(self._ids)
 
     def _add_py(self, new_ids: list[int], final: bool) -> str:
         self._ids += new_ids
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        new_text = self._decode(self._ids[self._prefix:])
+        prefix_text = self._decode(self._ids[:self._read])
+        new_text = self._decode(self._ids)
         if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not final):
             return ""
         self._advance()
