@@ -54,11 +54,30 @@ def child_main() -> None:
     for line in sys.stdin:
         req = json.loads(line)
         try:
-            out: dict[str, Any] = {"text": str(parse_grammar(StructuredSpec(req["kind"], req["spec"], req["compact"])))}
+            out: dict[str, Any] = {"text": _child_answer(req)}
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError/InvalidJSONError
             out = {"error": str(e), "kind": type(e).__name__}
         answers.write(json.dumps(out) + "\n")
         answers.flush()
+
+
+def _child_answer(req: dict[str, Any]) -> str:
+    """One request's text: a spec's printed grammar, a structural tag's EBNF, or
+    xgrammar's builtin structural tag of a model's tool calls (JSON)."""
+    import xgrammar
+
+    from pagedserve.common.grammar_spec import parse_grammar
+
+    op = req.get("op", "parse")
+    if op == "parse":
+        return str(parse_grammar(StructuredSpec(req["kind"], req["spec"], req["compact"])))
+    if op == "tag_ebnf":
+        return str(xgrammar.Grammar.from_structural_tag(req["tag"]))
+    if op == "model_tag":
+        tag = xgrammar.get_model_structural_tag(model=req["model"], tools=req["tools"], tool_choice=req["choice"],
+                                                reasoning=False)
+        return json.dumps(tag.model_dump(mode="json"))
+    raise ValueError(f"unknown request {op!r}")
 
 
 class GrammarChecker:
@@ -93,8 +112,11 @@ class GrammarChecker:
     def parse(self, spec: StructuredSpec) -> str:
         """The printed grammar of ``spec``; raises ``GrammarSyntaxError`` (a refused, crashing
         or too slow spec) or ``GrammarCheckUnavailable``."""
-        request = (json.dumps({"kind": spec.kind, "spec": spec.spec, "compact": spec.disable_any_whitespace})
-                   + "\n").encode()
+        return self.ask({"kind": spec.kind, "spec": spec.spec, "compact": spec.disable_any_whitespace})
+
+    def ask(self, req: dict[str, Any]) -> str:
+        """The child's text answer to one request (``_child_answer``); raises as ``parse``."""
+        request = (json.dumps(req) + "\n").encode()
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 self._proc = self._start()
@@ -131,3 +153,15 @@ _checker = GrammarChecker()
 def parse_grammar(spec: StructuredSpec) -> str:
     """xgrammar's printed grammar of ``spec``, parsed in the frontend's grammar-check process."""
     return _checker.parse(spec)
+
+
+def structural_tag_ebnf(tag_json: str) -> str:
+    """xgrammar's EBNF of a structural tag (``Grammar.from_structural_tag``), in the child."""
+    return _checker.ask({"op": "tag_ebnf", "tag": tag_json})
+
+
+def model_structural_tag(model: str, tools: list[dict[str, Any]], choice: Any) -> dict[str, Any]:
+    """xgrammar's builtin structural tag of ``model``'s tool calls (``get_model_structural_tag``), in the child."""
+    out: dict[str, Any] = json.loads(_checker.ask({"op": "model_tag", "model": model, "tools": tools,
+                                                   "choice": choice}))
+    return out

@@ -18,13 +18,15 @@ array of its parser-less path.
 With no strict tool, forced and required are written here as EBNF text equal
 to xgrammar's own rendering of that structural tag (checked by
 tests/test_tool_grammar.py); the other shapes are rendered by xgrammar itself,
-imported only then (it imports torch)."""
+rendered by xgrammar in the grammar-check child (frontend/grammar_check.py: it
+imports torch, which the frontend process must not)."""
 from __future__ import annotations
 
 import json
 from typing import Any
 
 from pagedserve.common.grammar_spec import ebnf_literal
+from pagedserve.frontend import grammar_check
 
 START, END = "<tool_call>", "</tool_call>"
 # xgrammar's rendering of a JSON value under the schema ``true`` (any JSON), rule root_0.
@@ -85,12 +87,9 @@ def _xgrammar_builtin(model: str, tools: list[dict[str, Any]], choice: Any, sing
     pinned as vLLM's resolve_tool_strictness does (a parallel-off request: level FUNCTION)."""
     if choice in (None, "auto") and not single and not any(_strict(t) for t in tools):
         return None
-    import xgrammar  # only here: it imports torch
-
     pinned = [{**t, "function": {**t["function"], "strict": _strict(t)}} for t in tools]
-    tag: dict[str, Any] = xgrammar.get_model_structural_tag(
-        model=model, tools=pinned, tool_choice="auto" if choice is None else choice, reasoning=False
-    ).model_dump(mode="json")
+    # xgrammar imports torch: its builtin templates are read in the grammar-check child
+    tag = grammar_check.model_structural_tag(model, pinned, "auto" if choice is None else choice)
     if single:
         _single_call(tag)
     return tag
@@ -126,9 +125,8 @@ def to_ebnf(tag: dict[str, Any]) -> str:
         t["type"] == "tag" and t["content"]["json_schema"] is True and t["begin"].startswith(START)
         for t in fmt["tags"])
     if not plain:
-        import xgrammar  # only here: strict tools or triggered tags need xgrammar's own conversion
-
-        return str(xgrammar.Grammar.from_structural_tag(json.dumps(tag)))
+        # strict tools or triggered tags need xgrammar's own conversion, in the grammar-check child
+        return grammar_check.structural_tag_ebnf(json.dumps(tag))
     names = ["tag"] + [f"tag_{i}" for i in range(1, len(fmt["tags"]))]
     lines = [_ANY_JSON]
     lines += [f'{n} ::= (({ebnf_literal(t["begin"])} root_0 {ebnf_literal(t["end"])}))'
