@@ -18,7 +18,7 @@ array of its parser-less path.
 With no strict tool, forced and required are written here as EBNF text equal
 to xgrammar's own rendering of that structural tag (checked by
 tests/test_tool_grammar.py); the other shapes are rendered by xgrammar itself,
-rendered by xgrammar in the grammar-check child (frontend/grammar_check.py: it
+in the grammar-check child (frontend/grammar_check.py: it
 imports torch, which the frontend process must not)."""
 from __future__ import annotations
 
