@@ -82,6 +82,7 @@ class _Prompt:
 
     def __init__(self, gw: GatewayApi, prompt: Prompt, stream: RequestStream, x: Extras, echo_only: bool) -> None:
         self.gw, self.stream, self.x, self.echo_only = gw, stream, x, echo_only
+        self._context: dict[int, list[int]] = {}  # output index -> token ids its earlier chunks' logprobs read
         ids = stream.req.prompt_ids
         if not x.echo or x.return_token_ids:  # vLLM echoes no text when it returns token ids
             self.text = ""
@@ -102,7 +103,8 @@ class _Prompt:
         if x.logprobs is not None:
             out = [] if self.echo_only else list(c.logprobs)
             entries = [*(self.prompt_entries() if echo else []), *out]
-            ch["logprobs"] = completion_logprobs(self.gw, entries, x.return_tokens_as_token_ids, offset)
+            ch["logprobs"] = completion_logprobs(self.gw, entries, x.return_tokens_as_token_ids, offset,
+                                                 self._context.setdefault(index, []))
             lp = ch["logprobs"]
             if lp["tokens"]:
                 offset = lp["text_offset"][-1] + len(lp["tokens"][-1])

@@ -82,14 +82,15 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
 
 
 def completion_logprobs(gw: GatewayApi, entries: list[tuple[int, Logprob | None]], as_id: bool,
-                        offset: int = 0) -> dict[str, Any]:
+                        offset: int = 0, context: list[int] | None = None) -> dict[str, Any]:
     """OpenAI's legacy logprobs as vLLM writes them: an entry without a logprob (the
     first prompt token) is null; ``top_logprobs`` holds the chosen token and the
     top ones (logprobs=k: up to k+1 entries, k=0 the chosen one alone).
     ``text_offset`` runs over the token strings from ``offset``. Token strings
-    are vLLM's (``decoded_token``) with the entries before as context."""
+    are vLLM's (``decoded_token``) with the entries before as context, after
+    ``context`` (a stream's earlier chunks), which this call extends."""
     tokens, lps, tops, offsets = [], [], [], []
-    context: list[int] = []
+    context = [] if context is None else context
     for tok, e in entries:
         if e is None:
             s = token_text(gw, tok, as_id)

@@ -21,10 +21,10 @@ from pagedserve.frontend.detokenizer import IncrementalDetokenizer, decode_whole
 Logprob = tuple[float, list[tuple[int, float]]]  # (logprob of the token, top-k (token, logprob))
 
 # An output that ends inside a multi-byte character (a length cut): its held
-# bytes are sent as U+FFFD, so the text is ``tokenizer.decode`` of its ids, as
-# in every release so far. vLLM 0.32's detokenizer drops them instead (False
-# here gives its text; tests/test_detokenizer_stream.py checks both).
-INCOMPLETE_END_AS_FFFD = True
+# bytes are dropped, as vLLM 0.32's detokenizer drops them (True would send them
+# as U+FFFD, ``tokenizer.decode`` of the ids, as releases before this one did;
+# tests/test_detokenizer_stream.py checks both).
+INCOMPLETE_END_AS_FFFD = False
 
 
 class StopChecker:
