@@ -24,10 +24,11 @@ from pagedserve.frontend import error_table
 from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.http_fields import check_ids, is_token_id
 from pagedserve.frontend.generation import EngineError, RequestStream
-from pagedserve.frontend.http_response import completion_logprobs, event_stream, prompt_logprobs, sse, usage
+from pagedserve.frontend.http_response import completion_logprobs, event_stream, prompt_logprobs, usage
 from pagedserve.frontend.http_shared import Ctx, GatewayApi
 from pagedserve.frontend.openai_extras import Extras
 from pagedserve.frontend.outputs import Chunk, Logprob
+from pagedserve.frontend.sse_writes import SseBatch
 from pagedserve.frontend.prompt_options import InputOptions
 from pagedserve.frontend.validation import Limits
 from pagedserve.v1 import generation_pb2 as pb
@@ -173,33 +174,39 @@ async def _stream(request: web.Request, ps: list[_Prompt], ctx: Ctx) -> web.Stre
     seen: set[int] = set()
     offsets: dict[int, int] = {}
     counts: dict[int, int] = {}
+    batch = SseBatch()  # every event waiting after a step goes out in one write
     try:
         open_streams = len(ps)
         while open_streams:
-            i, item = await queue.get()
-            if item is None:
-                open_streams -= 1
-                continue
-            if isinstance(item, EngineError):
-                await sse(resp, engine_error_event(item))
-                continue
-            for c in item:
-                k = i * ctx.n + c.index
-                first = k not in seen
-                seen.add(k)
-                ch, offsets[k] = ps[i].choice(c, k, first, offsets.get(k, 0))
-                counts[k] = len(c.token_ids) if c.replace else counts.get(k, 0) + len(c.token_ids)
-                payload = {"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model,
-                           "choices": [ch]}
-                if x.continuous_usage:
-                    payload["usage"] = usage(len(ps[i].stream.req.prompt_ids), counts[k])
-                await sse(resp, payload)
+            waiting = [await queue.get()]
+            while not queue.empty():
+                waiting.append(queue.get_nowait())
+            for i, item in waiting:
+                if item is None:
+                    open_streams -= 1
+                    continue
+                if isinstance(item, EngineError):
+                    batch.add(engine_error_event(item))
+                    continue
+                for c in item:
+                    k = i * ctx.n + c.index
+                    first = k not in seen
+                    seen.add(k)
+                    ch, offsets[k] = ps[i].choice(c, k, first, offsets.get(k, 0))
+                    counts[k] = len(c.token_ids) if c.replace else counts.get(k, 0) + len(c.token_ids)
+                    payload = {"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model,
+                               "choices": [ch]}
+                    if x.continuous_usage:
+                        payload["usage"] = usage(len(ps[i].stream.req.prompt_ids), counts[k])
+                    batch.add(payload)
+            await batch.flush(resp)
     finally:
         for t in tasks:
             t.cancel()
     if x.include_usage:
-        await sse(resp, {"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model,
-                         "choices": [], "usage": _usage([p.stream for p in ps])})
-    await resp.write(b"data: [DONE]\n\n")
+        batch.add({"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model,
+                   "choices": [], "usage": _usage([p.stream for p in ps])})
+    batch.add_raw(b"data: [DONE]\n\n")
+    await batch.flush(resp)
     await resp.write_eof()
     return resp

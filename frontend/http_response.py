@@ -14,6 +14,7 @@ from aiohttp import web
 from pagedserve.frontend.generation import EngineError, RequestStream
 from pagedserve.frontend.http_shared import Ctx, GatewayApi
 from pagedserve.frontend.outputs import Chunk, Logprob
+from pagedserve.frontend.sse_writes import SseBatch
 
 MIN_LOGPROB = -9999.0  # vLLM writes -inf as this (JSON has no infinity)
 Choice = Callable[[Chunk, dict[str, Any] | None], Any]  # a dict, or None: nothing to send yet
@@ -201,6 +202,7 @@ async def chat_stream(request: web.Request, stream: RequestStream, ctx: Ctx, cho
             out["usage"] = usage(n_prompt, completion)
         return out
 
+    batch = SseBatch()  # the events of one step in one write
     try:
         first = True
         while (chunks := await stream.next()) is not None:
@@ -212,11 +214,11 @@ async def chat_stream(request: web.Request, stream: RequestStream, ctx: Ctx, cho
                 if x is not None and x.return_prompt_text:
                     top["prompt_text"] = ctx.prompt_text
                 for i in range(ctx.n):
-                    await sse(resp, chunk([{"index": i, "delta": {"role": ctx.role, "content": ""},
+                    batch.add(chunk([{"index": i, "delta": {"role": ctx.role, "content": ""},
                                             "logprobs": None, "finish_reason": None}], 0, **top))
                 if x is not None and x.echo and ctx.echo_text:
                     for i in range(ctx.n):
-                        await sse(resp, chunk([{"index": i, "delta": {"content": ctx.echo_text},
+                        batch.add(chunk([{"index": i, "delta": {"content": ctx.echo_text},
                                                 "logprobs": None, "finish_reason": None}], 0))
             for c in chunks:
                 if c.index < len(counts):
@@ -231,12 +233,14 @@ async def chat_stream(request: web.Request, stream: RequestStream, ctx: Ctx, cho
                     ch["token_ids"] = c.token_ids
                 if c.finish_reason is not None:
                     ch.setdefault("stop_reason", c.stop_reason)
-                await sse(resp, chunk([ch], counts[c.index] if c.index < len(counts) else None))
+                batch.add(chunk([ch], counts[c.index] if c.index < len(counts) else None))
+            await batch.flush(resp)
     except EngineError as e:
-        await sse(resp, engine_error_event(e))
+        batch.add(engine_error_event(e))
     if x is not None and x.include_usage:
-        await sse(resp, {"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model, "choices": [],
+        batch.add({"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model, "choices": [],
                          "usage": usage(n_prompt, stream.num_completion_tokens)})
-    await resp.write(b"data: [DONE]\n\n")
+    batch.add_raw(b"data: [DONE]\n\n")
+    await batch.flush(resp)
     await resp.write_eof()
     return resp
