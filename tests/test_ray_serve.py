@@ -43,4 +43,5 @@ def test_kv_affinity_beats_round_robin_and_a_killed_replica_loses_nothing(tmp_pa
     assert kv["prefix_hit_rate"] > rr["prefix_hit_rate"]
     assert kv["ttft_p50_s"] < rr["ttft_p50_s"] and kv["ttft_p99_s"] < rr["ttft_p99_s"]
     assert kv["throughput_tok_s"] > rr["throughput_tok_s"]
-    assert killed["replicas_seen"] >= 4, "Ray replaced the killed replica, which then served"
+    assert killed["resumed_requests"] > 0, "the kill hit requests in flight, which finished elsewhere"
+    assert killed["replica_replaced"], "Serve's controller started a replica in the killed one's place"

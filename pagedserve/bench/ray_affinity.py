@@ -63,7 +63,8 @@ def _stream(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
             if "pagedserve" in obj:
                 last = obj["pagedserve"]
     return {"ttft": ttft if ttft is not None else time.monotonic() - t0, "ids": ids, "end": time.monotonic(),
-            "replica": last.get("replica"), "prefix_cache": last.get("prefix_cache")}
+            "replica": last.get("replica"), "prefix_cache": last.get("prefix_cache"),
+            "resumed": last.get("resumed", 0)}
 
 
 def run_workload(url: str, users: int, turns: int, seed: int, kill: Any = None, opening: int = 3000,
@@ -116,17 +117,37 @@ def run_workload(url: str, users: int, turns: int, seed: int, kill: Any = None, 
             "ttft_p50_s": round(statistics.median(ttfts), 4),
             "ttft_p99_s": round(ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 4),
             "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0, "replicas_seen": len(latest),
+            "resumed_requests": sum(1 for r in results if r["resumed"]),
             "ttft_max_by_turn_s": [round(max((r["ttft"] for r in results if r["turn"] == t), default=0.0), 3)
                                    for t in range(turns)]}
+
+
+def _replica_actors() -> list[dict[str, str]]:
+    import ray
+
+    return [a for a in ray.util.list_named_actors(all_namespaces=True)
+            if "SERVE_REPLICA" in a["name"] and "PagedServeReplica" in a["name"]]
 
 
 def _kill_one_replica() -> None:
     import ray
 
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if "SERVE_REPLICA" in a["name"] and "PagedServeReplica" in a["name"]]
-    victim = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
-    ray.kill(victim, no_restart=False)  # a crash: Serve's controller replaces it
+    victim = _replica_actors()[0]
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=False)  # a crash
+
+
+def _wait_replaced(before: set[str], timeout_s: float = 300.0) -> bool:
+    """Serve's controller has started a replica in the killed one's place (3 running, one new)."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        names = {a["name"] for a in _replica_actors()}
+        dep = serve.status().applications["pagedserve"].deployments["PagedServeReplica"]
+        if len(names) == 3 and names - before and dep.replica_states.get("RUNNING", 0) == 3:
+            return True
+        time.sleep(1.0)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,9 +179,12 @@ def main(argv: list[str] | None = None) -> int:
             router = "kv" if name.startswith("kv") else name
             app = build_app(None, SERVE_ARGS, 3, router, env=SIM_ENV)
             serve.run(app, name="pagedserve", route_prefix="/")
+            before = {a["name"] for a in _replica_actors()}
             res = run_workload(url, args.users, args.turns, seed=i // 2, opening=args.opening,
                                kill=_kill_one_replica if name == "kv-kill" else None)
             res["router"] = name
+            if name == "kv-kill":
+                res["replica_replaced"] = _wait_replaced(before)
             runs.append(res)
             print(json.dumps(res), flush=True)
             serve.delete("pagedserve")

@@ -64,6 +64,8 @@ class Ingress:
             try:
                 async for chunk in self._replicas.generate.remote(req):
                     got += chunk["token_ids"]
+                    if chunk.get("replica"):
+                        chunk["resumed"] = attempt  # times this request moved to another replica
                     yield chunk
                 return
             except RayActorError as e:  # the replica died: resume elsewhere with what it streamed
@@ -99,7 +101,8 @@ class Ingress:
                     obj = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
                            "model": self._name, "choices": [choice(c["text"], c["finish_reason"], True, c["token_ids"])]}
                     if c.get("replica"):
-                        obj["pagedserve"] = {"replica": c["replica"], "prefix_cache": c["prefix_cache"]}
+                        obj["pagedserve"] = {"replica": c["replica"], "prefix_cache": c["prefix_cache"],
+                                             "resumed": c["resumed"]}
                         obj["usage"] = {"prompt_tokens": len(ids), "completion_tokens": n,
                                         "total_tokens": len(ids) + n}
                     yield f"data: {json.dumps(obj)}\n\n"
@@ -113,7 +116,7 @@ class Ingress:
             out_ids += c["token_ids"]
             finish = c["finish_reason"] or finish
             if c.get("replica"):
-                extra = {"replica": c["replica"], "prefix_cache": c["prefix_cache"]}
+                extra = {"replica": c["replica"], "prefix_cache": c["prefix_cache"], "resumed": c["resumed"]}
         return JSONResponse({"id": rid, "object": kind, "created": created, "model": self._name,
                              "choices": [choice("".join(text), finish, False, out_ids)], "pagedserve": extra,
                              "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out_ids),
