@@ -104,9 +104,10 @@ def _refusals(args: argparse.Namespace) -> None:
         refuse(f"--pipeline-parallel-size {args.pipeline_parallel_size}: only 1 (shard one model over GPUs "
                "with --tensor-parallel-size)")
     if args.data_parallel_size != 1:
-        refuse(f"--data-parallel-size {args.data_parallel_size}: one engine per serve; run "
-               f"{args.data_parallel_size} replicas behind a load balancer (docs/deployment.md, "
-               "'Scale-out behind the Gateway API Inference Extension')")
+        refuse(f"--data-parallel-size {args.data_parallel_size}: one engine per serve; for "
+               f"{args.data_parallel_size} replicas routed by their KV caches run `pagedserve ray-serve "
+               f"--num-replicas {args.data_parallel_size}` (pip install 'pagedserve[ray]'), or replicas behind "
+               "the Gateway API Inference Extension (docs/deployment.md)")
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         refuse("--ssl-certfile and --ssl-keyfile go together")
     for key in args.api_key or ():

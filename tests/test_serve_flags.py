@@ -147,7 +147,7 @@ def test_refusal_is_one_line_naming_the_flag(argv: list[str], flag: str) -> None
     assert len(lines) == 1 and flag in lines[0] and "Traceback" not in r.stderr, r.stderr
     assert r.stdout == ""
     if flag == "--data-parallel-size":
-        assert "docs/deployment.md" in lines[0]
+        assert "docs/deployment.md" in lines[0] and "pagedserve ray-serve --num-replicas 2" in lines[0]
     if flag == "--api-key":
         assert "short" not in r.stderr  # a key is never echoed
 
