@@ -70,6 +70,9 @@ def add_openai_args(p: argparse.ArgumentParser) -> None:
         action="store_true", text="no periodic engine stats lines (every 10 s while busy) in the log")
     arg("--uvicorn-log-level", env_name="UVICORN_LOG_LEVEL", default="info", choices=list(LOG_LEVELS),
         text="level of the HTTP server's own log (aiohttp here; trace: debug)")
+    arg("--trust-request-chat-template", env_name="TRUST_REQUEST_CHAT_TEMPLATE",
+        default=env_flag("TRUST_REQUEST_CHAT_TEMPLATE", False), action="store_true",
+        text="let a request's own chat_template (or chat_template_kwargs' one) render its prompt; off: 400")
     arg("--allowed-origins", env_name="ALLOWED_ORIGINS", default=(), type=json_list,
         text="CORS: a JSON list of origins browsers may call from, '[\"*\"]' for any; none: no CORS")
     arg("--allowed-methods", env_name="ALLOWED_METHODS", default=("*",), type=json_list,
@@ -135,7 +138,8 @@ def openai_argv(args: argparse.Namespace) -> list[str]:
         if value is not None:
             out += [flag, value]
     for flag, on in (("--disable-log-stats", args.disable_log_stats), ("--allow-credentials", args.allow_credentials),
-                     ("--enable-auto-tool-choice", args.enable_auto_tool_choice)):
+                     ("--enable-auto-tool-choice", args.enable_auto_tool_choice),
+                     ("--trust-request-chat-template", args.trust_request_chat_template)):
         if on:
             out.append(flag)
     return out
@@ -196,4 +200,5 @@ def build_options(args: argparse.Namespace, model_dir: str, vocab_size: int) -> 
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         log_requests=args.enable_log_requests, allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers),
-        allow_credentials=args.allow_credentials, root_path=args.root_path.rstrip("/"))
+        allow_credentials=args.allow_credentials, root_path=args.root_path.rstrip("/"),
+        trust_request_chat_template=args.trust_request_chat_template)

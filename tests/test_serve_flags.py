@@ -34,6 +34,7 @@ FLAGS = ["--kv-cache-dtype", "--enable-chunked-prefill", "--no-enable-chunked-pr
          "--tokenizer", "--tokenizer-mode", "--revision", "--max-logprobs", "--response-role", "--ssl-keyfile",
          "--ssl-certfile", "--allowed-origins", "--allowed-methods", "--allowed-headers", "--allow-credentials",
          "--root-path", "--hf-overrides", "--load-format", "--dtype", "--api-key", "--data-parallel-size",
+         "--trust-request-chat-template", "--kv-events-config", "--prefix-caching-hash-algo",
          "--pipeline-parallel-size", "--quantization", "--enable-lora", "--enable-auto-tool-choice",
          "--tool-call-parser"]
 
@@ -86,7 +87,7 @@ def test_openai_flags_parse_to_options_and_reach_the_frontend(tmp_path: Path) ->
             "--disable-log-stats", "--uvicorn-log-level", "warning", "--allowed-origins", '["https://a.example"]',
             "--allowed-methods", '["POST"]', "--allowed-headers", '["X-A"]', "--allow-credentials",
             "--root-path", "/llm", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-            "--api-key", *KEYS]
+            "--trust-request-chat-template", "--api-key", *KEYS]
     sa = parse_serve_args(argv)
     assert sa.api_keys == KEYS
     assert not any(k in " ".join(_frontend_args(sa)) for k in KEYS)  # keys travel in the environment
@@ -95,7 +96,8 @@ def test_openai_flags_parse_to_options_and_reach_the_frontend(tmp_path: Path) ->
     # vLLM's get_diff_sampling_param: the model's non-default fields, the override on top, max_new_tokens renamed.
     assert opts.default_sampling == {"temperature": 0, "top_k": 3, "max_tokens": 4}
     assert opts.override_max_tokens == 4  # vLLM's cap from --override-generation-config's max_new_tokens
-    assert opts.log_requests is True and opts.root_path == "/llm"
+    assert opts.log_requests is True and opts.root_path == "/llm" and opts.trust_request_chat_template is True
+    assert build_options(parse_serve_args([]).openai, model, 500).trust_request_chat_template is False
     assert (opts.allowed_origins, opts.allowed_methods, opts.allowed_headers, opts.allow_credentials) == (
         ("https://a.example",), ("POST",), ("X-A",), True)
     assert (opts.enable_auto_tool_choice, opts.tool_call_parser) == (True, "hermes")
