@@ -126,7 +126,6 @@ class OutputState:
         self._chars = 0  # text decoded so far
         self._released_chars = 0
         self.num_tokens = 0  # tokens released to the client
-        self.num_generated = 0  # tokens the engine produced for this output
         self.cumulative_logprob = 0.0
         self.finished = False
         self.stopped_by_string = False
@@ -152,7 +151,6 @@ class OutputState:
         lps: list[Logprob | None] = list(d.logprobs) if len(d.logprobs) == len(d.token_ids) else \
             [None] * len(d.token_ids)
         final = d.finish_reason is not None
-        self.num_generated += len(d.token_ids)
         last = len(d.token_ids) - 1 if final and self._fffd_end else -1
         for i, (tok, lp) in enumerate(zip(d.token_ids, lps)):
             text = "" if self._detok is None else self._detok.add([tok], final=i == last)
@@ -221,6 +219,5 @@ class OutputState:
         if self._want_logprobs:
             chunk.logprobs = list(zip(ids, lps))
         self.num_tokens = len(ids)
-        self.num_generated = len(d.token_ids)
         self.finished = d.finish_reason is not None or hit is not None
         return chunk

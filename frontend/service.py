@@ -141,7 +141,8 @@ def main(argv: list[str]) -> int:
     add_address_args(p)
     add_metrics_arg(p, "frontend")
     p.add_argument("--host", default=env("HOST", "127.0.0.1"))
-    p.add_argument("--port", "--grpc-port", dest="port", type=int, default=env_int("PORT", 50051),
+    # PAGEDSERVE_GRPC_PORT, as for serve (one variable for the gRPC port); --port: the earlier spelling
+    p.add_argument("--grpc-port", "--port", dest="port", type=int, default=env_int("GRPC_PORT", 50051),
                    help="gRPC port")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names the OpenAI API accepts in 'model'; the first is reported (default: the model)")

@@ -25,9 +25,11 @@ import socket
 import sys
 import urllib.request
 
-_FLAG_ADDR = {"blockmgr": ("--blockmgr-addr", "PAGEDSERVE_BLOCKMGR", "blockmgr.sock"),
-              "gpuworker": ("--worker-addr", "PAGEDSERVE_WORKER", "worker.sock"),
-              "scheduler": ("--scheduler-in", "PAGEDSERVE_SCHEDULER_IN", "scheduler_in.sock")}
+from pagedserve.common.env import env
+
+_FLAG_ADDR = {"blockmgr": ("--blockmgr-addr", "BLOCKMGR", "blockmgr.sock"),
+              "gpuworker": ("--worker-addr", "WORKER", "worker.sock"),
+              "scheduler": ("--scheduler-in", "SCHEDULER_IN", "scheduler_in.sock")}
 
 
 def _hostport(target: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -98,19 +100,18 @@ def check_role(argv: list[str]) -> bool:
     """Readiness of ``pagedserve ROLE FLAGS`` given as ``argv`` (ROLE first)."""
     role, flags = argv[0], argv[1:]
     if role == "frontend":
-        port = _flag(flags, "--port", "--grpc-port") or os.environ.get("PAGEDSERVE_PORT") or "50051"
+        port = _flag(flags, "--grpc-port", "--port") or env("GRPC_PORT", "50051")
         return check_grpc(port)
     if role == "serve":
-        port = _flag(flags, "--grpc-port") or os.environ.get("PAGEDSERVE_GRPC_PORT") or "50051"
+        port = _flag(flags, "--grpc-port") or env("GRPC_PORT", "50051")
         return check_grpc(port)
     if role in _FLAG_ADDR:
         if role == "scheduler":
-            mport = _flag(flags, "--metrics-port") or os.environ.get("PAGEDSERVE_SCHEDULER_METRICS_PORT")
+            mport = _flag(flags, "--metrics-port") or env("SCHEDULER_METRICS_PORT")
             if mport:
                 return check_http(f"http://127.0.0.1:{int(mport)}/metrics")
-        flag, env, sock = _FLAG_ADDR[role]
-        run_dir = os.environ.get("PAGEDSERVE_RUN_DIR", "")
-        addr = _flag(flags, flag) or os.environ.get(env) or f"ipc://{run_dir}/{sock}"
+        flag, name, sock = _FLAG_ADDR[role]
+        addr = _flag(flags, flag) or env(name) or f"ipc://{env('RUN_DIR', '')}/{sock}"
         return check_zmq_addr(addr)
     print(f"pagedserve healthcheck: nothing to check for {role!r}", file=sys.stderr)
     return True
