@@ -8,12 +8,13 @@ The blockmgr publishes (blockmgr/kv_events.py); every component parses the
 flag, so a bad value stops them all at start-up."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
 
-MAX_CONFIG_CHARS = 4096
+from pagedserve.common.flag_json import config_object
+from pagedserve.common.flag_json import flag_error as _fail
+
 _PUBLISHERS = ("null", "zmq")
 _ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -44,10 +45,6 @@ class KVEventsConfig:
                            if getattr(self, f.name) != getattr(d, f.name)}, sort_keys=True)
 
 
-def _fail(why: str) -> argparse.ArgumentTypeError:
-    return argparse.ArgumentTypeError(why)  # argparse names the flag
-
-
 def _check_endpoint(key: str, value: str) -> None:
     if not value.startswith(_ENDPOINT_SCHEMES) or len(value) > 512:
         raise _fail(f"{key} must be a ZeroMQ endpoint (tcp://, ipc:// or inproc://), got {value[:80]!r}")
@@ -55,19 +52,9 @@ def _check_endpoint(key: str, value: str) -> None:
 
 def parse_kv_events_config(text: str) -> KVEventsConfig:
     """The flag's value; raises ``argparse.ArgumentTypeError`` (a one-line exit 2) on a bad one."""
-    if len(text) > MAX_CONFIG_CHARS:
-        raise _fail(f"at most {MAX_CONFIG_CHARS} characters")
-    try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise _fail(f"not a JSON object ({e})") from None
-    if not isinstance(raw, dict):
-        raise _fail('must be a JSON object, e.g. \'{"enable_kv_cache_events": true}\'')
-    fields = {f.name: f for f in dataclasses.fields(KVEventsConfig)}
+    raw, fields = config_object(text, KVEventsConfig, '{"enable_kv_cache_events": true}')
     values: dict[str, object] = {}
     for key, value in raw.items():
-        if key not in fields:
-            raise _fail(f"unknown key {key!r} (known: {', '.join(fields)})")
         default = fields[key].default
         if key == "publisher" and value is None:
             continue  # vLLM's own default spelling

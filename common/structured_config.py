@@ -12,12 +12,13 @@ mode already keeps out properties a schema does not name). No reasoning
 parsers exist, so the reasoning keys take only their defaults."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
 
-MAX_CONFIG_CHARS = 4096
+from pagedserve.common.flag_json import config_object
+from pagedserve.common.flag_json import flag_error as _fail
+
 _BACKENDS = ("auto", "xgrammar")
 _VLLM_BACKENDS = ("guidance", "outlines", "lm-format-enforcer")
 
@@ -38,24 +39,10 @@ class StructuredOutputsConfig:
                            if getattr(self, f.name) != getattr(d, f.name)}, sort_keys=True)
 
 
-def _fail(why: str) -> argparse.ArgumentTypeError:
-    return argparse.ArgumentTypeError(why)  # argparse names the flag
-
-
 def parse_structured_outputs_config(text: str) -> StructuredOutputsConfig:
     """The flag's value; raises ``argparse.ArgumentTypeError`` (a one-line exit 2) on a bad one."""
-    if len(text) > MAX_CONFIG_CHARS:
-        raise _fail(f"at most {MAX_CONFIG_CHARS} characters")
-    try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        raise _fail(f"not a JSON object ({e})") from None
-    if not isinstance(raw, dict):
-        raise _fail('must be a JSON object, e.g. \'{"disable_any_whitespace": true}\'')
-    fields = {f.name: f for f in dataclasses.fields(StructuredOutputsConfig)}
+    raw, fields = config_object(text, StructuredOutputsConfig, '{"disable_any_whitespace": true}')
     for key, value in raw.items():
-        if key not in fields:
-            raise _fail(f"unknown key {key!r} (known: {', '.join(fields)})")
         want = bool if isinstance(fields[key].default, bool) else str
         if not isinstance(value, want):
             raise _fail(f"{key} must be a {'boolean' if want is bool else 'string'}, got {value!r}")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -126,7 +126,21 @@ def _replay(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start: int) -> l
     return got
 
 
-def test_a_mixed_run_is_read_in_order_without_gaps(tmp_path: Path) -> None:
+@dataclass
+class MixedRun:
+    bs: int
+    prompts: list[list[int]]
+    outputs: list[list[int]]
+    live: list[tuple[int, bytes]]
+    replayed: list[tuple[int, bytes]]
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tmp_path_factory: pytest.TempPathFactory) -> MixedRun:
+    """A real serve under a mixed load (shared prefixes, a small pool: evictions, preemptions),
+    its KV events read live on a SUB socket and, at the end, by replay from seq 0."""
+    tmp_path = tmp_path_factory.mktemp("kv-events")
     model_dir = make_tiny_model(tmp_path / "m", "llama", seed=0)
     pub, rep = f"ipc://{tmp_path}/kv.pub", f"ipc://{tmp_path}/kv.replay"
     cfg = f'{{"enable_kv_cache_events": true, "endpoint": "{pub}", "replay_endpoint": "{rep}", "topic": "kv"}}'
@@ -174,6 +188,12 @@ def test_a_mixed_run_is_read_in_order_without_gaps(tmp_path: Path) -> None:
         replayed = _replay(ctx, rep, 0)
         sub.close(0)
     ctx.term()
+    return MixedRun(bs, prompts, outputs, live, replayed, tmp_path)
+
+
+def test_a_mixed_run_is_read_in_order_without_gaps(mixed_run: MixedRun) -> None:
+    bs, prompts, outputs, live, replayed = (mixed_run.bs, mixed_run.prompts, mixed_run.outputs, mixed_run.live,
+                                            mixed_run.replayed)
 
     seqs = [s for s, _ in replayed]
     assert seqs == list(range(len(seqs))) and len(seqs) > 3, "replay from 0: every batch, no gap"
@@ -201,34 +221,41 @@ def test_a_mixed_run_is_read_in_order_without_gaps(tmp_path: Path) -> None:
             cached.remove(h)
     assert stored == set(expected), "every full block of every sequence was stored"
     assert any(isinstance(e, BlockRemoved) for e in events), "the small pool evicted"
-    if PEERS_PY.exists():  # vLLM's own classes decode the same stream
-        blob = tmp_path / "payloads.msgpack"
-        blob.write_bytes(msgspec.msgpack.encode([p for _, p in replayed]))
-        seqs = tmp_path / "seqs.json"
-        seqs.write_text(json.dumps([ids + out[:-1] for ids, out in zip(prompts, outputs)] + [[1, 2, 3]]))
-        code = ("import sys, json, msgspec; from vllm.distributed.kv_events import KVEventBatch; "
-                "from vllm.utils.hashing import sha256_cbor; from vllm.v1.core import kv_cache_utils as k; "
-                "k.init_none_hash(sha256_cbor); "
-                "d = msgspec.msgpack.Decoder(KVEventBatch); "
-                "bs = [d.decode(p) for p in msgspec.msgpack.decode(open(sys.argv[1], 'rb').read())]; "
-                "print(sum(type(e).__name__ == 'BlockStored' for b in bs for e in b.events), "
-                "sum(type(e).__name__ == 'BlockRemoved' for b in bs for e in b.events)); "
-                "hs = set()\n"
-                "for t in json.load(open(sys.argv[2])):\n"
-                f"    h = None\n    for i in range(len(t) // {bs}):\n"
-                f"        h = k.hash_block_tokens(sha256_cbor, h, t[i * {bs}:(i + 1) * {bs}]); "
-                "hs.add(k.maybe_convert_block_hash(h))\n"
-                "print(json.dumps(sorted(hs)))")
-        out = subprocess.run([str(PEERS_PY), "-c", code, str(blob), str(seqs)], capture_output=True, text=True,
-                             timeout=300,
-                             cwd=tmp_path,  # not the repo root, whose kernels/ folder transformers would import
-                             env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
-        assert out.returncode == 0, out.stderr[-2000:]
-        n_stored = sum(isinstance(e, BlockStored) for e in events)
-        n_removed = sum(isinstance(e, BlockRemoved) for e in events)
-        counts, vllm_hashes = out.stdout.strip().splitlines()[-2:]
-        assert counts.split() == [str(n_stored), str(n_removed)]
-        assert set(json.loads(vllm_hashes)) == stored, "vLLM hashes the same tokens to the same block hashes"
-    else:
-        print(f"vLLM's own classes not checked: no peer venv at {PEERS_PY} (scripts/setup-peers.sh)",
-              file=sys.stderr)
+
+
+def test_vllms_own_classes_and_hashes_agree(mixed_run: MixedRun) -> None:
+    """vLLM 0.32's own module (the peer venv) decodes the same stream, and its
+    hash_block_tokens(sha256_cbor) gives the stored hashes for the same sequences."""
+    if not PEERS_PY.exists():
+        pytest.skip(f"no peer venv at {PEERS_PY} (scripts/setup-peers.sh): vLLM's own classes not checked")
+    bs, prompts, outputs, replayed, tmp_path = (mixed_run.bs, mixed_run.prompts, mixed_run.outputs,
+                                                mixed_run.replayed, mixed_run.tmp)
+    events = [e for _, p in replayed for e in decoder.decode(p).events]
+    stored = {e.block_hashes[0] for e in events if isinstance(e, BlockStored)}
+    blob = tmp_path / "payloads.msgpack"
+    blob.write_bytes(msgspec.msgpack.encode([p for _, p in replayed]))
+    seqs = tmp_path / "seqs.json"
+    seqs.write_text(json.dumps([ids + out[:-1] for ids, out in zip(prompts, outputs)] + [[1, 2, 3]]))
+    code = ("import sys, json, msgspec; from vllm.distributed.kv_events import KVEventBatch; "
+            "from vllm.utils.hashing import sha256_cbor; from vllm.v1.core import kv_cache_utils as k; "
+            "k.init_none_hash(sha256_cbor); "
+            "d = msgspec.msgpack.Decoder(KVEventBatch); "
+            "bs = [d.decode(p) for p in msgspec.msgpack.decode(open(sys.argv[1], 'rb').read())]; "
+            "print(sum(type(e).__name__ == 'BlockStored' for b in bs for e in b.events), "
+            "sum(type(e).__name__ == 'BlockRemoved' for b in bs for e in b.events)); "
+            "hs = set()\n"
+            "for t in json.load(open(sys.argv[2])):\n"
+            f"    h = None\n    for i in range(len(t) // {bs}):\n"
+            f"        h = k.hash_block_tokens(sha256_cbor, h, t[i * {bs}:(i + 1) * {bs}]); "
+            "hs.add(k.maybe_convert_block_hash(h))\n"
+            "print(json.dumps(sorted(hs)))")
+    out = subprocess.run([str(PEERS_PY), "-c", code, str(blob), str(seqs)], capture_output=True, text=True,
+                         timeout=300,
+                         cwd=tmp_path,  # not the repo root, whose kernels/ folder transformers would import
+                         env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    n_stored = sum(isinstance(e, BlockStored) for e in events)
+    n_removed = sum(isinstance(e, BlockRemoved) for e in events)
+    counts, vllm_hashes = out.stdout.strip().splitlines()[-2:]
+    assert counts.split() == [str(n_stored), str(n_removed)]
+    assert set(json.loads(vllm_hashes)) == stored, "vLLM hashes the same tokens to the same block hashes"
