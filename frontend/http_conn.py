@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from pagedserve.common.env import env
 from pagedserve.frontend.errors import ApiError
 
 HEADER_TIMEOUT_S = 15.0  # a request head must be complete this long after connect / the last response
@@ -44,7 +44,7 @@ class HttpLimits:
     @classmethod
     def from_env(cls) -> "HttpLimits":
         def get(name: str, default: float, kind: type) -> Any:
-            raw = os.environ.get(f"PAGEDSERVE_HTTP_{name}")
+            raw = env(f"HTTP_{name}")
             try:
                 value = kind(raw) if raw else default
             except ValueError:
