@@ -97,7 +97,7 @@ def test_real_time_worker_sleeps_its_modelled_time(monkeypatch: pytest.MonkeyPat
     t0 = time.perf_counter()
     t = w.execute(step).forward_time_s
     slept = time.perf_counter() - t0
-    assert t > 0.01 and 2 * t <= slept < 2 * t + 0.5
+    assert t > 0.01 and 2 * t <= slept < 2 * t + 2.0  # slack for a loaded CI core, not a missed sleep
     monkeypatch.setenv("PAGEDSERVE_SIM_TIME_SCALE", "-1")
     with pytest.raises(ValueError, match="PAGEDSERVE_SIM_TIME_SCALE"):
         SimWorker.from_config(EngineConfig(worker="sim"))
