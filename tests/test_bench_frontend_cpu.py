@@ -23,8 +23,8 @@ def test_frontend_cpu_bench_streams_every_token_with_its_text(tmp_path) -> None:
     assert [r["protocol"] for r in out["results"]] == ["grpc", "http"]
     for r in out["results"]:
         assert r["tokens"] == 4 * 24 and r["cpu_s"] > 0
-        assert r["texts_as_decode"] == 4  # the decoded ids, an incomplete end as U+FFFD (today's rule)
+        assert r["texts_as_vllm"] == 4  # the decoded ids up to the last whole character (vLLM's rule, the default)
     core = _bench("--model", model, "--core", "--concurrency", "3", "--max-tokens", "20")["results"][0]
-    assert core["tokens"] == 60 and core["texts_as_decode"] == 3
+    assert core["tokens"] == 60 and core["texts_as_vllm"] == 3
     detok = _bench("--model", model, "--detokenizer")["results"]
     assert [r["texts_as_vllm"] for r in detok] == [1, 1] and detok[0]["text_sha256"] == detok[1]["text_sha256"]
