@@ -27,6 +27,7 @@ class FrontendLink:
         self._monitor: zmq.Socket[Any] | None = None
         self.connected = 0
         self._lost = False
+        self._all_gone = False  # a disconnect left no peer connected (since the last lost())
         self._since = 0.0  # when the put in progress began
         self._epoch = int.from_bytes(os.urandom(7), "big") + 1  # this process's Outputs numbering
         self._seq = 0
@@ -43,6 +44,9 @@ class FrontendLink:
             elif ev == zmq.EVENT_DISCONNECTED:
                 self.connected = max(0, self.connected - 1)
                 self._lost = True
+                # No peer left at that moment: the frontend went away, even if a restarted
+                # one (it starts in under a second) has connected again since.
+                self._all_gone = self._all_gone or self.connected == 0
 
     def lost(self) -> bool:
         """Whether a frontend disconnected since the last call. A disconnect
@@ -51,9 +55,9 @@ class FrontendLink:
         self._events()
         if not self._lost:
             return False
-        self._lost = False
+        all_gone, self._lost, self._all_gone = self._all_gone, False, False
         assert self.outbox is not None
-        return self.connected == 0 or not self.outbox.sock.poll(0, zmq.POLLOUT)
+        return all_gone or self.connected == 0 or not self.outbox.sock.poll(0, zmq.POLLOUT)
 
     def give_up(self) -> bool:
         """The queue's stop test while a put waits: on SIGTERM, or with no
