@@ -167,8 +167,8 @@ class HFEngine:
 
     name = "hf"
 
-    def __init__(self, model_dir: str, workloads: dict[str, Work]) -> None:
-        self.model_dir, self.workloads = model_dir, workloads
+    def __init__(self, model_dir: str, workloads: dict[str, Work], dtype: str = "float32") -> None:
+        self.model_dir, self.workloads, self.dtype = model_dir, workloads, dtype
         self.model: Any = None
         self.continuous = False
         self.label = "transformers"
@@ -177,7 +177,7 @@ class HFEngine:
         import torch
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.dtype)).eval()
         self.continuous = hasattr(self.model, "init_continuous_batching")  # transformers >= 5
         self.label = ("transformers continuous batching" if self.continuous
                       else "transformers generate (static batch)")
@@ -268,8 +268,9 @@ class VllmEngine:
     TAG = "PEER_RESULT "
 
     def __init__(self, model_dir: str, workloads: dict[str, Work], max_model_len: int,
-                 python: Path = PEERS_VENV / "bin" / "python") -> None:
+                 python: Path = PEERS_VENV / "bin" / "python", dtype: str = "float32") -> None:
         self.model_dir, self.workloads, self.max_model_len, self.python = model_dir, workloads, max_model_len, python
+        self.dtype = dtype
         self.proc: subprocess.Popen[str] | None = None
         self.log: list[str] = []
 
@@ -278,7 +279,7 @@ class VllmEngine:
         return python.is_file()
 
     def start(self) -> None:
-        cfg = {"model": self.model_dir, "max_model_len": self.max_model_len,
+        cfg = {"model": self.model_dir, "max_model_len": self.max_model_len, "dtype": self.dtype,
                "max_num_seqs": max(len(w) for w in self.workloads.values()),
                "workloads": {k: {"prompts": [p for p, _ in w], "outputs": [o for _, o in w]}
                              for k, w in self.workloads.items()}}

@@ -5,7 +5,8 @@ Engines: pagedserve through its real gRPC server (``pagedserve serve`` as a
 subprocess), transformers' continuous batching in process, and vLLM's CPU
 build (offline ``LLM.generate``) in ``.venv-peers`` when that venv exists
 (``scripts/setup-peers.sh``). Every engine gets identical prompt token ids
-and output lengths, all requests at once, greedy, EOS ignored, fp32. Each
+and output lengths, all requests at once, greedy, EOS ignored, fp32 (or
+``--dtype bfloat16`` for every engine). Each
 engine loads once; the rounds interleave the engines in a rotated order, so
 slow drift of a shared machine falls on all of them. A run's time is from
 the first submit to the last token. Greedy outputs are compared across
@@ -106,7 +107,7 @@ def _chart(path: Path, res: dict[str, Any]) -> str | None:
             ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=res["labels"][e])
         ax.set_xticks(range(len(wls)), [f"{w} ({res['workloads'][w]['requests']} req)" for w in wls])
         ax.set_ylabel("output tokens/s (median, min-max)")
-        ax.set_title(f"{res['model']}, fp32, greedy; {res['machine'][:60]}", fontsize=8)
+        ax.set_title(f"{res['model']}, {res['dtype']}, greedy; {res['machine'][:60]}", fontsize=8)
         ax.legend(fontsize=7)
         fig.tight_layout()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -141,6 +142,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--workload", default="sharegpt,alpaca", help="comma list of sharegpt, alpaca, long (32 requests of 1,500-2,000 prompt tokens sharing a "
                         "1,000-token system prompt, 128 output tokens: use --requests 32)")
     p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="every engine's weights and KV")
     p.add_argument("--max-output", type=int, default=None, help="cap every request's output length")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -170,7 +172,7 @@ def main(argv: list[str]) -> int:
         names.remove("vllm")
     # The KV pool gets what vLLM gets (VLLM_CPU_KVCACHE_SPACE=4): the CPU default
     # (256 MiB) would preempt a 64-request ShareGPT-like batch. --serve-arg overrides.
-    serve_args = ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "4GiB", *args.serve_arg]
+    serve_args = ["--device", "cpu", "--dtype", args.dtype, "--kv-cache-memory", "4GiB", *args.serve_arg]
     engines: dict[str, Engine] = {}
     try:
         for e in names:
@@ -181,9 +183,9 @@ def main(argv: list[str]) -> int:
             elif e in ("pagedserve-async", "pagedserve-sync"):
                 eng = PagedserveEngine(args.model, work, serve_args, async_scheduling=e == "pagedserve-async")
             elif e == "hf":
-                eng = HFEngine(model_dir, work)
+                eng = HFEngine(model_dir, work, args.dtype)
             else:
-                eng = VllmEngine(model_dir, work, max_len, Path(args.peers_python))
+                eng = VllmEngine(model_dir, work, max_len, Path(args.peers_python), args.dtype)
             try:
                 eng.start()
             except Exception as exc:  # noqa: BLE001 - vLLM is optional; the others must start
@@ -225,7 +227,7 @@ def main(argv: list[str]) -> int:
     labels = {e: engines[e].label for e in names}
     gaps = {e: g for e in names if (g := getattr(engines[e], "idle_gaps", ""))}
     res: dict[str, Any] = {"bench": "peers", "machine": machine_info(), "model": os.path.basename(model_dir.rstrip("/")),
-                           "dtype": "float32", "seed": args.seed, "repeats": args.repeats, "engines": names,
+                           "dtype": args.dtype, "seed": args.seed, "repeats": args.repeats, "engines": names,
                            "labels": labels, "skipped": skipped, "serve_args": serve_args, "workloads": summary,
                            "worker_idle_between_steps": gaps}
     _print_table(res)
@@ -241,7 +243,7 @@ def main(argv: list[str]) -> int:
 
 
 def _print_table(res: dict[str, Any]) -> None:
-    print(f"bench peers on {res['machine']}: {res['model']}, fp32, greedy, EOS ignored, "
+    print(f"bench peers on {res['machine']}: {res['model']}, {res['dtype']}, greedy, EOS ignored, "
           f"{res['repeats']} interleaved rounds")
     for w, s in res["workloads"].items():
         print(f"\n{w}-like (x{SCALES[w]}): {s['requests']} requests at once, {s['prompt_tokens']} prompt / "

@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=cfg["model"], dtype="float32", seed=0, max_model_len=cfg["max_model_len"],
+    llm = LLM(model=cfg["model"], dtype=cfg.get("dtype", "float32"), seed=0, max_model_len=cfg["max_model_len"],
               max_num_seqs=cfg["max_num_seqs"])
 
     def params(o: int) -> Any:
