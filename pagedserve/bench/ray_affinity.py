@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import threading
 import time
@@ -32,14 +31,10 @@ import urllib.request
 from datetime import datetime, timezone
 from typing import Any
 
+from pagedserve.bench.serve_proc import free_port
+
 SERVE_ARGS = ["--worker", "sim", "--num-gpu-blocks", "4096", "--max-model-len", "16384", "--max-num-seqs", "16"]
 SIM_ENV = {"PAGEDSERVE_SIM_TIME_SCALE": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stream(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -169,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(2):
         cluster.add_node(num_cpus=1)
     ray.init(address=cluster.address, logging_level="ERROR")
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     plan = [r for _ in range(args.rounds) for r in ("round-robin", "kv")] + (["kv-kill"] if args.kill else [])

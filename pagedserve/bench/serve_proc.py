@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -35,19 +36,22 @@ class ServeProc:
     http_url: str | None
     log: list[str] = field(default_factory=list)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 60.0) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)  # as Ctrl-C: the launcher stops its children
             try:
-                self.proc.wait(60)
+                self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
 
 
 def start_serve(serve_args: list[str], model: str | None = None, timeout_s: float = 1800.0,
-                echo: bool = False) -> ServeProc:
-    """Runs ``pagedserve serve`` on free loopback ports until it prints that it serves."""
+                echo: bool = False, preexec_fn: Callable[[], None] | None = None,
+                keep_lines: int | None = None) -> ServeProc:
+    """Runs ``pagedserve serve`` on free loopback ports until it prints that it serves.
+    ``preexec_fn`` runs in the child before exec; ``keep_lines`` bounds the kept log
+    (a long-lived server's, e.g. a Ray Serve replica's)."""
     grpc_port = free_port()
     if _has_grpc_port_flag():
         http_port = free_port()
@@ -59,22 +63,25 @@ def start_serve(serve_args: list[str], model: str | None = None, timeout_s: floa
     if model:
         cmd += ["--model", model]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=preexec_fn)
     sp = ServeProc(proc, f"127.0.0.1:{grpc_port}", http_url)
-    ready = threading.Event()
+    ready, serving = threading.Event(), threading.Event()  # ready: serving, or the output ended
 
     def reader() -> None:  # keeps draining, or the server blocks on a full pipe
         assert proc.stdout is not None
         for line in proc.stdout:
             sp.log.append(line)
+            if keep_lines is not None:
+                del sp.log[:-keep_lines]
             if echo and not ready.is_set():
                 sys.stderr.write(line)
             if "pagedserve: serving" in line:
+                serving.set()
                 ready.set()
         ready.set()
 
     threading.Thread(target=reader, daemon=True).start()
-    if not ready.wait(timeout_s) or not any("pagedserve: serving" in line for line in sp.log):
+    if not ready.wait(timeout_s) or not serving.is_set() or proc.poll() is not None:
         sp.stop()
         raise RuntimeError("pagedserve serve did not start:\n" + "".join(sp.log[-40:]))
     return sp

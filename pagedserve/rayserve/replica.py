@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import urllib.request
@@ -21,6 +17,8 @@ import msgspec
 import zmq
 from ray import serve
 
+from pagedserve.bench.serve_proc import start_serve
+from pagedserve.blockmgr.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from pagedserve.client import AsyncGenerationClient
 
 _PR_SET_PDEATHSIG = 1
@@ -32,36 +30,6 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class _Event(msgspec.Struct, tag=True, omit_defaults=True):
-    pass
-
-
-class BlockStored(_Event):
-    block_hashes: list[int]
-    medium: str | None = None
-
-
-class BlockRemoved(_Event):
-    block_hashes: list[int]
-    medium: str | None = None
-
-
-class AllBlocksCleared(_Event):
-    pass
-
-
-class _Batch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
 class CachedBlocks:
     """The GPU blocks an engine caches, kept from its KV event stream: live on a
     SUB socket, a gap filled from the replay socket (vLLM's protocol)."""
@@ -69,7 +37,7 @@ class CachedBlocks:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], pub: str, replay: str) -> None:
         self.hashes: set[int] = set()
         self._lock = threading.Lock()
-        self._decode = msgspec.msgpack.Decoder(_Batch).decode
+        self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
         self._ctx, self._replay = ctx, replay
         self._sub = ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -135,31 +103,10 @@ class PagedServeReplica:
         self._dir = tempfile.mkdtemp(prefix="pagedserve-ray-")
         pub, replay = f"ipc://{self._dir}/kv.pub", f"ipc://{self._dir}/kv.replay"
         events = json.dumps({"enable_kv_cache_events": True, "endpoint": pub, "replay_endpoint": replay})
-        grpc_port, http_port = _free_port(), _free_port()
-        cmd = [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc_port),
-               "--port", str(http_port), "--kv-events-config", events, *serve_args]
-        if model:
-            cmd += ["--model", model]
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_die_with_parent)
-        self._log: list[str] = []
-        ready = threading.Event()
-
-        def drain() -> None:  # keeps reading, or the engine blocks on a full pipe
-            assert self._proc.stdout is not None
-            for line in self._proc.stdout:
-                self._log.append(line)
-                del self._log[:-200]
-                if "pagedserve: serving" in line:
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(START_TIMEOUT_S) or self._proc.poll() is not None:
-            self._proc.kill()
-            raise RuntimeError("pagedserve serve did not start:\n" + "".join(self._log[-40:]))
-        self._grpc = f"127.0.0.1:{grpc_port}"
-        self._metrics_url = f"http://127.0.0.1:{http_port}/metrics"
+        self._engine = start_serve(["--kv-events-config", events, *serve_args], model, START_TIMEOUT_S,
+                                   preexec_fn=_die_with_parent, keep_lines=200)
+        self._grpc = self._engine.grpc_addr
+        self._metrics_url = f"{self._engine.http_url}/metrics"
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._cached = CachedBlocks(self._ctx, pub, replay)
         self._client: AsyncGenerationClient | None = None
@@ -171,8 +118,8 @@ class PagedServeReplica:
         return {"cached_blocks": self._cached.snapshot(), "in_flight": self._in_flight}
 
     def check_health(self) -> None:
-        if self._proc.poll() is not None:
-            raise RuntimeError(f"the engine exited with {self._proc.returncode}")
+        if self._engine.proc.poll() is not None:
+            raise RuntimeError(f"the engine exited with {self._engine.proc.returncode}")
 
     def prefix_cache_totals(self) -> tuple[float, float]:
         """vllm:prefix_cache_hits_total and _queries_total of this engine's /metrics."""
@@ -204,12 +151,8 @@ class PagedServeReplica:
             self._in_flight -= 1
 
     def __del__(self) -> None:
-        proc = getattr(self, "_proc", None)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # as Ctrl-C: the launcher stops its four processes
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.stop(timeout_s=15)  # within Serve's graceful shutdown; its death signal covers a kill
         if getattr(self, "_cached", None) is not None:
             self._cached.close()
