@@ -100,11 +100,15 @@ class KVEventLog:
         self._made_of.clear()
         self._cached_in.clear()
 
-    def forget_uncached(self, pending: set[bytes]) -> None:
-        """Drop what keys no pool caches and no block awaits were made of
-        (a step rolled back, a sequence freed before its block was written).
-        A parent stays while a cached child may still name it."""
-        keep = set(self._cached_in) | pending
+    def forget_uncached(self) -> None:
+        """Drop what keys no pool caches were made of (a step rolled back, a
+        sequence freed before its block was written); call it between steps,
+        when no key is pending. A parent stays while a cached child may still
+        name it. A scan of every live key, so only once the stale ones could
+        be as many as the cached ones (not on every step)."""
+        if len(self._made_of) <= 2 * len(self._cached_in) + 1024:
+            return
+        keep = set(self._cached_in)
         keep |= {self._made_of[k][0] for k in keep if k in self._made_of}
         for k in [k for k in self._made_of if k not in keep]:
             del self._made_of[k]

@@ -167,7 +167,7 @@ class BlockManager(SwapOps):
                 commit(b)
             self._pending = []
         if self.events is not None:
-            self.events.forget_uncached(set())
+            self.events.forget_uncached()
 
     def take_kv_events(self) -> KVEventBatch | None:
         """The KV events since the last call, as one vLLM ``KVEventBatch``."""

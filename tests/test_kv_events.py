@@ -259,3 +259,20 @@ def test_vllms_own_classes_and_hashes_agree(mixed_run: MixedRun) -> None:
     counts, vllm_hashes = out.stdout.strip().splitlines()[-2:]
     assert counts.split() == [str(n_stored), str(n_removed)]
     assert set(json.loads(vllm_hashes)) == stored, "vLLM hashes the same tokens to the same block hashes"
+
+
+def test_the_log_forgets_keys_no_pool_caches() -> None:
+    """Keys keyed but never cached (a rolled-back step) are dropped once they could outnumber the cached
+    ones; a cached key and its parent stay, so its later events still name them."""
+    from pagedserve.blockmgr.kv_events import KVEventLog
+
+    log = KVEventLog(4)
+    keys = [bytes([i % 256, i // 256]) * 16 for i in range(3000)]
+    for i, k in enumerate(keys):
+        log.keyed(k, keys[i - 1] if i else b"", [i, i, i, i])
+    log.stored(keys[10], "GPU")
+    log.forget_uncached()
+    log.removed(keys[10], "GPU")  # still known: its hash is the one stored
+    stored, removed = log.take_batch().events  # type: ignore[union-attr]
+    assert removed.block_hashes == stored.block_hashes and stored.parent_block_hash is not None
+    assert set(log._made_of) == {keys[9], keys[10]}
