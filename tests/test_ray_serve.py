@@ -45,3 +45,15 @@ def test_kv_affinity_beats_round_robin_and_a_killed_replica_loses_nothing(tmp_pa
     assert kv["throughput_tok_s"] > rr["throughput_tok_s"]
     assert killed["resumed_requests"] > 0, "the kill hit requests in flight, which finished elsewhere"
     assert killed["replica_replaced"], "Serve's controller started a replica in the killed one's place"
+
+
+def test_ingress_refuses_what_the_engine_refuses_and_keeps_serving(tmp_path: Path) -> None:
+    """A prompt past max-model-len is a 400 from the engine, streaming or not (not a 500 or a 200
+    stream with an error); the ingress's own bounds are 400s; the replica serves on."""
+    r = subprocess.run([_python(), str(ROOT / "tests" / "ray_refusals.py")], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("RAY_REFUSALS "))
+    assert json.loads(line.split(" ", 1)[1]) == {"ok": 200, "ok_stream": 200, "too_long": 400,
+                                                 "too_long_stream": 400, "max_tokens_0": 400, "bad_ids": 400,
+                                                 "after": 200}

@@ -29,6 +29,10 @@ log = logging.getLogger("ray.serve")
 app = FastAPI()
 MAX_ATTEMPTS = 4
 MAX_TOKENS_BOUND = 32768
+# Bounds on what the ingress itself tokenizes and hashes (the engine then applies its own, max-model-len)
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_PROMPT_CHARS = 4_000_000
+MAX_MESSAGES = 10_000
 _SAMPLING = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens")
 
 
@@ -63,6 +67,8 @@ class Ingress:
                    "block_hashes": prompt_block_hashes(prompt, self._bs)}
             try:
                 async for chunk in self._replicas.generate.remote(req):
+                    if "error" in chunk:  # refused by the engine (a bound): the client's error
+                        raise HTTPException(chunk["status"], chunk["error"])
                     got += chunk["token_ids"]
                     if chunk.get("replica"):
                         chunk["resumed"] = attempt  # times this request moved to another replica
@@ -94,9 +100,17 @@ class Ingress:
             return out
 
         if body.get("stream"):
+            chunks = self._stream(ids, sampling)
+            first = await anext(chunks)  # a refusal is an HTTP error here, before any 200 and stream
+
+            async def both() -> AsyncIterator[dict[str, Any]]:
+                yield first
+                async for c in chunks:
+                    yield c
+
             async def sse() -> AsyncIterator[str]:
                 n = 0
-                async for c in self._stream(ids, sampling):
+                async for c in both():
                     n += len(c["token_ids"])
                     obj = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created,
                            "model": self._name, "choices": [choice(c["text"], c["finish_reason"], True, c["token_ids"])]}
@@ -126,20 +140,24 @@ class Ingress:
     async def completions(self, request: Request) -> Any:
         body = await request.json()
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < 2**31 for t in prompt):
+        if isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPT_TOKENS and \
+                all(isinstance(t, int) and 0 <= t < 2**31 for t in prompt):
             ids = prompt
-        elif isinstance(prompt, str) and prompt:
+        elif isinstance(prompt, str) and 0 < len(prompt) <= MAX_PROMPT_CHARS:
             ids = self._tok.encode(prompt)
         else:
-            raise HTTPException(400, "prompt must be a non-empty string or list of token ids")
+            raise HTTPException(400, f"prompt must be a string of 1 to {MAX_PROMPT_CHARS} characters or a list "
+                                     f"of 1 to {MAX_PROMPT_TOKENS} token ids")
         return await self._answer(ids, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Any:
         body = await request.json()
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise HTTPException(400, "messages must be a non-empty list")
+        if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES or \
+                sum(len(str(m)) for m in messages) > MAX_PROMPT_CHARS:
+            raise HTTPException(400, f"messages must be a list of 1 to {MAX_MESSAGES} messages, at most "
+                                     f"{MAX_PROMPT_CHARS} characters in all")
         ids = list(self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                  return_dict=False))
         return await self._answer(ids, body, chat=True)

@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import msgspec
 import zmq
 from ray import serve
@@ -22,6 +23,9 @@ from pagedserve.blockmgr.kv_events import AllBlocksCleared, BlockStored, KVEvent
 from pagedserve.client import AsyncGenerationClient
 
 _PR_SET_PDEATHSIG = 1
+# The engine's refusals as HTTP statuses (frontend/error_table.py's, for the codes a request can cause)
+_HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+                grpc.StatusCode.UNAUTHENTICATED: 401}
 START_TIMEOUT_S = 600.0
 
 
@@ -139,11 +143,18 @@ class PagedServeReplica:
         self._in_flight += 1
         try:
             finish = ""
-            async for resp in self._client.stream(request["prompt"], timeout=600, **request["sampling"]):
-                for out in resp.outputs:
-                    finish = out.finish_reason or finish
-                    if out.token_ids or out.text:
-                        yield {"token_ids": list(out.token_ids), "text": out.text, "finish_reason": None}
+            try:
+                async for resp in self._client.stream(request["prompt"], timeout=600, **request["sampling"]):
+                    for out in resp.outputs:
+                        finish = out.finish_reason or finish
+                        if out.token_ids or out.text:
+                            yield {"token_ids": list(out.token_ids), "text": out.text, "finish_reason": None}
+            except grpc.aio.AioRpcError as e:  # the engine's refusal: the client's error, with its status
+                status = _HTTP_STATUS.get(e.code())
+                if status is None:
+                    raise
+                yield {"error": e.details() or e.code().name, "status": status}
+                return
             hits, queries = self.prefix_cache_totals()
             yield {"token_ids": [], "text": "", "finish_reason": finish or "stop", "replica": self._id,
                    "prefix_cache": [hits, queries]}
