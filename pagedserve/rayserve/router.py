@@ -31,17 +31,16 @@ def _hashes(pending: PendingRequest | None) -> list[int]:
 class KVAffinityRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, imbalance: int = 8, **kwargs: Any) -> None:
         self.imbalance = imbalance
-        self._sets: dict[ReplicaID, tuple[int, set[int]]] = {}  # replica -> (id of its stats list, set)
+        self._sets: dict[ReplicaID, tuple[list[int], set[int]]] = {}  # replica -> (its stats list, as a set)
         self._recent: dict[ReplicaID, dict[int, float]] = {}  # replica -> hash -> routed at
         self._routed: dict[ReplicaID, int] = {}  # requests routed here since its last stats report
 
     def _cached(self, r: RunningReplica) -> set[int]:
         stats = r.routing_stats or {}
         blocks = stats.get("cached_blocks", [])
-        key = id(blocks)
         got = self._sets.get(r.replica_id)
-        if got is None or got[0] != key:
-            got = (key, set(blocks))
+        if got is None or got[0] is not blocks:  # a new report (the list held, so its id is never reused)
+            got = (blocks, set(blocks))
             self._sets[r.replica_id] = got
             self._routed[r.replica_id] = 0
         return got[1]
