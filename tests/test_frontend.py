@@ -146,6 +146,7 @@ def test_stop_strings_split_across_tokens_and_chunks_never_reach_the_client(serv
             if len(stop) >= 3 and full.find(stop) == start:
                 picked.append(stop)
         assert len(picked) >= 2, (full, offsets)
+        chunked = 0
         for stop in picked:
             i = full.index(stop)
             sent = ""
@@ -158,11 +159,14 @@ def test_stop_strings_split_across_tokens_and_chunks_never_reach_the_client(serv
                     assert full[:i].startswith(sent), f"text past the stop string {stop!r} reached the client"
                     reason, stop_reason = out.finish_reason or reason, out.stop_reason or stop_reason
             assert sent == full[:i] and reason == "stop" and stop_reason == stop
-            assert messages > 1  # it streamed, in several chunks
+            chunked += messages > 1
             # A stop string that never completes: the held text is released at the end.
             never = stop + "\u2603"
             _, text, reason2 = c.generate(PROMPT, max_tokens=40, temperature=0.0, ignore_eos=True, stop=[never])
             assert text == full and reason2 == "length"
+        # The frontend merges whatever is queued into one message, so on a loaded machine a short stream
+        # can arrive whole; the held-back path across messages must still have run for some stop.
+        assert chunked >= 1, "every stream arrived as one message: the split across chunks was not exercised"
     wait_all_free(server)
 
 
