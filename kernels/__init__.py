@@ -4,7 +4,9 @@ The torch reference (``reference.py``) is the CPU serving path; the Triton
 kernels in ``triton_*.py`` serve CUDA and are tested against it.
 ``get_attention_backend`` picks between them for the worker.
 """
+import importlib
 import os
+from typing import Any
 
 import torch
 
@@ -20,8 +22,17 @@ from pagedserve.kernels.reference import (  # noqa: E402
     reshape_and_cache_ref,
     swap_blocks_ref,
 )
-from pagedserve.kernels.triton_attention import paged_attention  # noqa: E402
-from pagedserve.kernels.triton_cache import copy_blocks, reshape_and_cache, swap_blocks  # noqa: E402
+from pagedserve.kernels.swap import swap_blocks  # noqa: E402
+
+_TRITON_OPS = {"paged_attention": "triton_attention", "copy_blocks": "triton_cache", "reshape_and_cache": "triton_cache"}
+
+
+def __getattr__(name: str) -> Any:
+    # The Triton kernels load on first use: the CPU serving path runs without Triton installed.
+    if name in _TRITON_OPS:
+        return getattr(importlib.import_module(f"pagedserve.kernels.{_TRITON_OPS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AttentionBackend",

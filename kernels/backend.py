@@ -12,8 +12,7 @@ import torch
 
 from pagedserve.kernels.cpu_attention import paged_attention_cpu, paged_attention_sdpa
 from pagedserve.kernels.reference import copy_blocks_ref, reshape_and_cache_ref
-from pagedserve.kernels.triton_attention import paged_attention
-from pagedserve.kernels.triton_cache import copy_blocks, reshape_and_cache, swap_blocks
+from pagedserve.kernels.swap import swap_blocks
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -44,7 +43,23 @@ def _paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_st
 
 
 TORCH = AttentionBackend("torch", _paged_attention_torch, reshape_and_cache_ref, copy_blocks_ref, swap_blocks)
-TRITON = AttentionBackend("triton", paged_attention, reshape_and_cache, copy_blocks, swap_blocks)
+
+
+class TritonMissing(ImportError):
+    """The triton backend was asked for where Triton is not installed (the CPU image)."""
+
+
+def _triton() -> AttentionBackend:
+    # Imported here, not at module level: the CPU serving path runs without Triton installed.
+    try:
+        from pagedserve.kernels.triton_attention import paged_attention
+        from pagedserve.kernels.triton_cache import copy_blocks, reshape_and_cache
+    except ModuleNotFoundError as e:
+        if e.name != "triton" and not (e.name or "").startswith("triton."):
+            raise
+        raise TritonMissing("the triton attention backend needs Triton (`pip install triton`); "
+                            "the torch backend serves CPU without it") from None
+    return AttentionBackend("triton", paged_attention, reshape_and_cache, copy_blocks, swap_blocks)
 
 
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
@@ -61,4 +76,4 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
         # chosen when the kernels are decorated (import time).
         raise RuntimeError("the triton backend on CPU needs TRITON_INTERPRET=1 set before pagedserve.kernels "
                            "is imported (it is set automatically when CUDA is absent)")
-    return TRITON
+    return _triton()
