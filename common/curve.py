@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -32,6 +34,10 @@ from pagedserve.common import resolve
 from pagedserve.common.env import PREFIX, env, env_flag
 
 ENV = "PAGEDSERVE_CURVE_KEYS"
+# Seconds to wait at start-up for keys another process is writing (compose's one-shot
+# keygen service starts beside the components, not before them: podman cannot restart a
+# container that `depends_on` one which has exited).
+WAIT_ENV = "PAGEDSERVE_CURVE_KEYS_WAIT"
 INSECURE_ENV = "PAGEDSERVE_INSECURE_INTERNAL_TCP"
 
 
@@ -119,6 +125,9 @@ def check_security(addrs: Iterable[str]) -> None:
             return
         raise _refusal(tcp[0])
     path = os.path.join(directory, "server.key_secret")
+    deadline = time.monotonic() + float(env(WAIT_ENV.removeprefix(PREFIX), 0))
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.2)
     if not os.access(path, os.R_OK):
         why = "permission denied" if os.path.exists(path) else "no such file"
         raise BadInternalConfig(f"{ENV}={directory}: cannot read {path} ({why}); `pagedserve keygen DIR` writes it")
@@ -158,7 +167,12 @@ def main(argv: list[str]) -> int:
         print(f"{argv[0]}/server.key_secret exists; kept")
         return 0
     os.makedirs(argv[0], mode=0o700, exist_ok=True)
-    zmq.auth.create_certificates(argv[0], "server")
-    os.chmod(os.path.join(argv[0], "server.key_secret"), 0o600)
+    # Written aside and renamed in, the secret last: a component waiting for the keys
+    # (WAIT_ENV) never reads half a file.
+    with tempfile.TemporaryDirectory(dir=argv[0], prefix=".keygen-") as tmp:
+        zmq.auth.create_certificates(tmp, "server")
+        os.chmod(os.path.join(tmp, "server.key_secret"), 0o600)
+        for name in ("server.key", "server.key_secret"):
+            os.replace(os.path.join(tmp, name), os.path.join(argv[0], name))
     print(f"wrote {argv[0]}/server.key and server.key_secret; set {ENV}={argv[0]} for every component")
     return 0

@@ -25,7 +25,7 @@ def test_compose_config_is_valid_and_complete() -> None:
     cfg = json.loads(out.stdout)
     services = cfg["services"]
     assert set(services) == {"keygen", "frontend", "scheduler", "blockmgr", "gpuworker"}
-    # CurveZMQ keys: written once by the keygen service, read by every component before it starts.
+    # CurveZMQ keys: written once by the keygen service, waited for and read by every component before it starts.
     keygen = services.pop("keygen")
     assert keygen["command"] == ["keygen", "--if-missing", "/keys"]
     assert [v["target"] for v in keygen["volumes"]] == ["/keys"]
@@ -39,7 +39,10 @@ def test_compose_config_is_valid_and_complete() -> None:
         assert env["PAGEDSERVE_WORKER"] == "tcp://gpuworker:5558"
         assert env["PAGEDSERVE_SCHEDULER_IN"] == "tcp://scheduler:5555"
         assert env["PAGEDSERVE_CURVE_KEYS"] == "/keys" and "PAGEDSERVE_INSECURE_INTERNAL_TCP" not in env
-        assert svc["depends_on"]["keygen"]["condition"] == "service_completed_successfully", name
+        # One `up`: no component depends on the one-shot keygen (podman would not restart a component
+        # whose dependency has exited); each waits for the keys it writes.
+        assert "keygen" not in svc.get("depends_on", {}), name
+        assert float(env["PAGEDSERVE_CURVE_KEYS_WAIT"]) >= 60, name
         assert any(v["target"] == "/keys" and v.get("read_only") for v in svc["volumes"]), name
     for name, svc in services.items():
         assert svc["restart"] == "unless-stopped", f"{name}: a restarted component is recovered"

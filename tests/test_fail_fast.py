@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -179,3 +180,26 @@ def test_unreadable_keys_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(curve.ENV, str(keys))
     with pytest.raises(curve.BadInternalConfig, match="permission denied"):
         curve.check_security(["tcp://127.0.0.1:5555"])
+
+
+def test_a_component_waits_for_keys_a_keygen_beside_it_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compose starts the one-shot keygen beside the four (one `up`, no depends_on on an exited
+    container): with PAGEDSERVE_CURVE_KEYS_WAIT a component waits for the keys instead of refusing."""
+    keys = tmp_path / "keys"
+    monkeypatch.setenv(curve.ENV, str(keys))
+    with pytest.raises(curve.BadInternalConfig, match="no such file"):
+        curve.check_security(["tcp://127.0.0.1:5555"])  # no wait: refused at once
+    monkeypatch.setenv(curve.WAIT_ENV, "0.5")
+    t0 = time.monotonic()
+    with pytest.raises(curve.BadInternalConfig, match="no such file"):
+        curve.check_security(["tcp://127.0.0.1:5555"])  # nobody writes them: refused after the wait
+    assert time.monotonic() - t0 >= 0.5
+    monkeypatch.setenv(curve.WAIT_ENV, "30")
+    writer = threading.Timer(1.0, curve.main, args=([str(keys)],))
+    writer.start()
+    t0 = time.monotonic()
+    curve.check_security(["tcp://127.0.0.1:5555"])
+    writer.join()
+    assert 1.0 <= time.monotonic() - t0 < 30
+    assert sorted(p.name for p in keys.iterdir()) == ["server.key", "server.key_secret"]  # no temp left
+    curve.load.cache_clear()
