@@ -158,3 +158,37 @@ def test_kv_events_reach_the_router_and_only_it() -> None:
     assert scorer["parameters"]["kvEventsConfig"]["podDiscoveryConfig"]["socketPort"] == 5560
     assert scorer["parameters"]["tokenProcessorConfig"]["blockSize"] == int(config["PAGEDSERVE_BLOCK_SIZE"])
     assert scorer["parameters"]["tokenProcessorConfig"]["hashSeed"] == env["PYTHONHASHSEED"]["value"]
+
+
+def test_podman_render_makes_one_pod_per_replica_with_the_same_spec() -> None:
+    """deploy/k8s/podman_kube.py: podman plays one pod per Deployment, so `replicas: N` becomes N
+    single-pod Deployments with the manifest's pod spec; only what podman 4.3 cannot take differs
+    (host-published ports after the first replica, the status.podIP reference)."""
+    sys.path.insert(0, str(K8S))
+    try:
+        import podman_kube
+    finally:
+        sys.path.remove(str(K8S))
+    docs = _docs("pagedserve.yaml")
+    (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
+    out = podman_kube.render(docs, 3)
+    assert [d["kind"] for d in out] == ["ConfigMap", "Deployment", "Deployment", "Deployment"]  # no Service
+    assert podman_kube.pod_names(out) == ["pagedserve-0-pod-0", "pagedserve-1-pod-0", "pagedserve-2-pod-0"]
+    assert podman_kube.render(docs, None)[1:] == podman_kube.render(docs, deploy["spec"]["replicas"])[1:]
+    original = deploy["spec"]["template"]["spec"]
+    for i, d in enumerate(out[1:]):
+        assert d["spec"]["replicas"] == 1
+        assert d["spec"]["template"]["metadata"]["labels"]["pagedserve/replica"] == str(i)
+        spec = d["spec"]["template"]["spec"]
+        assert {k: v for k, v in spec.items() if k != "containers"} == \
+            {k: v for k, v in original.items() if k != "containers"}
+        for c, o in zip(spec["containers"], original["containers"], strict=True):
+            assert ("ports" in c) == (i == 0 and "ports" in o), (i, c["name"])
+            strip = {"ports", "env"}
+            assert {k: v for k, v in c.items() if k not in strip} == {k: v for k, v in o.items() if k not in strip}
+            env = {e["name"]: e for e in c.get("env", [])}
+            for e in o.get("env", []):
+                if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
+                    assert env[e["name"]] == {"name": e["name"], "value": f"pagedserve-{i}-pod-0"}
+                else:
+                    assert env[e["name"]] == e
