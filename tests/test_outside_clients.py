@@ -60,10 +60,15 @@ def _python(tool: str) -> str:
     """inference-perf needs Python 3.12 or later; the others run on ours."""
     if tool != "inference-perf" or sys.version_info >= (3, 12):
         return sys.executable
-    found = shutil.which("python3.13") or shutil.which("python3.12")
-    if found is None:
-        pytest.skip("inference-perf needs Python >= 3.12: neither python3.12 nor python3.13 is on PATH")
-    return found
+    # A pyenv shim is on PATH even for a version that is not enabled, and then exits 127: take the
+    # first candidate that runs.
+    candidates = [shutil.which(n) for n in ("python3.13", "python3.12")]
+    candidates += [str(p) for p in sorted(Path.home().glob(".pyenv/versions/3.1[23]*/bin/python3"), reverse=True)]
+    for found in filter(None, candidates):
+        if subprocess.run([found, "-c", "pass"], capture_output=True, timeout=60).returncode == 0:
+            return found
+    pytest.skip("inference-perf needs Python >= 3.12: no python3.12 or python3.13 that runs "
+                f"(tried {[c for c in candidates if c]})")
 
 
 def tool_bin(tool: str) -> Path:
