@@ -4,7 +4,6 @@ The torch reference (``reference.py``) is the CPU serving path; the Triton
 kernels in ``triton_*.py`` serve CUDA and are tested against it.
 ``get_attention_backend`` picks between them for the worker.
 """
-import importlib
 import os
 from typing import Any
 
@@ -15,7 +14,7 @@ if not torch.cuda.is_available():
     # the interpreter; it must be chosen before any @triton.jit is decorated.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagedserve.kernels.backend import AttentionBackend, get_attention_backend  # noqa: E402
+from pagedserve.kernels.backend import AttentionBackend, get_attention_backend, triton_backend  # noqa: E402
 from pagedserve.kernels.reference import (  # noqa: E402
     copy_blocks_ref,
     paged_attention_ref,
@@ -24,13 +23,13 @@ from pagedserve.kernels.reference import (  # noqa: E402
 )
 from pagedserve.kernels.swap import swap_blocks  # noqa: E402
 
-_TRITON_OPS = {"paged_attention": "triton_attention", "copy_blocks": "triton_cache", "reshape_and_cache": "triton_cache"}
+_TRITON_OPS = ("paged_attention", "copy_blocks", "reshape_and_cache")
 
 
 def __getattr__(name: str) -> Any:
-    # The Triton kernels load on first use: the CPU serving path runs without Triton installed.
+    # The Triton kernels load on first use, as the triton backend's: the CPU path runs without Triton.
     if name in _TRITON_OPS:
-        return getattr(importlib.import_module(f"pagedserve.kernels.{_TRITON_OPS[name]}"), name)
+        return getattr(triton_backend(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

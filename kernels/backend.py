@@ -49,7 +49,8 @@ class TritonMissing(ImportError):
     """The triton backend was asked for where Triton is not installed (the CPU image)."""
 
 
-def _triton() -> AttentionBackend:
+def triton_backend() -> AttentionBackend:
+    """The Triton kernels as a backend; ``TritonMissing`` where Triton is not installed."""
     # Imported here, not at module level: the CPU serving path runs without Triton installed.
     try:
         from pagedserve.kernels.triton_attention import paged_attention
@@ -76,4 +77,4 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
         # chosen when the kernels are decorated (import time).
         raise RuntimeError("the triton backend on CPU needs TRITON_INTERPRET=1 set before pagedserve.kernels "
                            "is imported (it is set automatically when CUDA is absent)")
-    return _triton()
+    return triton_backend()
