@@ -87,17 +87,20 @@ def up(manifest: Path, replicas: int | None, image: str) -> list[str]:
     docs = render(list(yaml.safe_load_all(manifest.read_text())), replicas)
     STATE.mkdir(mode=0o700, parents=True, exist_ok=True)
     played = STATE / "played.yaml"
-    secret = STATE / "secret.yaml"
-    secret.write_text(_secret_yaml())
     played.write_text(yaml.safe_dump_all(docs, sort_keys=False))
-    _podman("kube", "play", str(secret))
+    secret_yaml = _secret_yaml()
+    secret = STATE / "secret.yaml"  # kube play reads a file; the keys then live in podman's store only
+    secret.write_text(secret_yaml)
+    try:
+        _podman("kube", "play", str(secret))
+    finally:
+        secret.unlink()
     # Podman 4.3 mounts a Secret volume as the named volume of the Secret's name, empty for
     # stringData: fill it with the Secret's files (Kubernetes mounts the Secret itself).
     _podman("volume", "create", SECRET)
-    for fname, text in yaml.safe_load(secret.read_text())["stringData"].items():
+    for fname, text in yaml.safe_load(secret_yaml)["stringData"].items():
         _podman("run", "--rm", "-i", "-v", f"{SECRET}:/keys", "--entrypoint", "/bin/sh", image,
                 "-c", f"umask 077; cat > /keys/{fname}", input=text)
-    os.unlink(secret)  # the keys live in podman's secret store and the volume only
     try:
         _podman("kube", "play", str(played), timeout=600)
     except SystemExit:
