@@ -70,7 +70,8 @@ def pod_names(docs: list[dict[str, Any]]) -> list[str]:
 
 
 def _podman(*args: str, check: bool = True, input: str | None = None, timeout: float = 300) -> str:
-    r = subprocess.run(["podman", *args], capture_output=True, text=True, input=input, timeout=timeout)
+    # Run in STATE: podman 4.3's conmon leaves an empty `oom` file in its working directory.
+    r = subprocess.run(["podman", *args], capture_output=True, text=True, input=input, timeout=timeout, cwd=STATE)
     if check and r.returncode != 0:
         raise SystemExit(f"podman {' '.join(args)}: {r.stderr.strip()}")
     return r.stdout
@@ -85,7 +86,6 @@ def _secret_yaml() -> str:
 
 def up(manifest: Path, replicas: int | None, image: str) -> list[str]:
     docs = render(list(yaml.safe_load_all(manifest.read_text())), replicas)
-    STATE.mkdir(mode=0o700, parents=True, exist_ok=True)
     played = STATE / "played.yaml"
     played.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     secret_yaml = _secret_yaml()
@@ -123,6 +123,7 @@ def down() -> None:
     _podman("volume", "rm", SECRET, check=False)
     if not _podman("ps", "-a", "--filter", f"network={NETWORK}", "--format", "{{.ID}}", check=False).strip():
         _podman("network", "rm", NETWORK, check=False)
+    (STATE / "oom").unlink(missing_ok=True)  # conmon's (see _podman)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.replicas is not None and not 1 <= args.replicas <= 16:
         ap.error("--replicas: 1 to 16")
+    STATE.mkdir(mode=0o700, parents=True, exist_ok=True)
     if args.action == "render":
         docs = render(list(yaml.safe_load_all(args.manifest.read_text())), args.replicas)
         sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False))
