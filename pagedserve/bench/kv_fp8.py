@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -45,11 +46,12 @@ def prompts(n: int) -> list[list[int]]:
                                          tokenize=True, return_dict=True)["input_ids"]) for t in texts]
 
 
-def greedy(kv_cache_dtype: str, batch: list[list[int]], max_tokens: int, dtype: str = "float32",
-           block_size: int = 16, model: str | None = None,
-           backend: str = "auto") -> list[tuple[list[int], list[float]]]:
-    """(tokens, chosen logprobs) per prompt: greedy, all prompts in one batch,
-    on an in-process worker with the given KV pool (model None: SmolLM2)."""
+def batch_runner(kv_cache_dtype: str, batch: list[list[int]], max_tokens: int, dtype: str = "float32",
+                 block_size: int = 16, model: str | None = None, backend: str = "auto",
+                 logprobs: int | None = 0) -> tuple[Any, ExecuteStep]:
+    """An in-process worker with blocks for every prompt of ``batch`` plus
+    ``max_tokens``, and its first step: every prompt prefilled, greedy
+    (``logprobs`` 0: the chosen token's logprob; None: none)."""
     from pagedserve.gpuworker.model_runner import ModelRunner
 
     per_seq = -(-(max(len(p) for p in batch) + max_tokens) // block_size)
@@ -57,16 +59,29 @@ def greedy(kv_cache_dtype: str, batch: list[list[int]], max_tokens: int, dtype: 
                        num_gpu_blocks=len(batch) * per_seq + 1, max_num_seqs=len(batch), attention_backend=backend)
     runner = ModelRunner(cfg)
     runner.init()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     new = [NewSeq(i, list(p), 0, params, len(p)) for i, p in enumerate(batch)]
     diffs = [BlockDiff(i, 0, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(len(batch))]
-    step = ExecuteStep(0, new, diffs, [ScheduledSeq(i, len(p)) for i, p in enumerate(batch)], [])
+    return runner, ExecuteStep(0, new, diffs, [ScheduledSeq(i, len(p)) for i, p in enumerate(batch)], [])
+
+
+def decode_step(step_id: int, num_seqs: int) -> ExecuteStep:
+    """One more token for each of sequences 0 .. num_seqs - 1."""
+    return ExecuteStep(step_id, [], [], [ScheduledSeq(i, 1) for i in range(num_seqs)], [])
+
+
+def greedy(kv_cache_dtype: str, batch: list[list[int]], max_tokens: int, dtype: str = "float32",
+           block_size: int = 16, model: str | None = None,
+           backend: str = "auto") -> list[tuple[list[int], list[float]]]:
+    """(tokens, chosen logprobs) per prompt: greedy, all prompts in one batch,
+    on an in-process worker with the given KV pool (model None: SmolLM2)."""
+    runner, step = batch_runner(kv_cache_dtype, batch, max_tokens, dtype, block_size, model, backend)
     out: list[tuple[list[int], list[float]]] = [([], []) for _ in batch]
     for s in range(max_tokens):
         for t in runner.execute(step).sampled:
             out[t.seq_id][0].append(t.token_id)
             out[t.seq_id][1].append(t.logprob if t.logprob is not None else float("nan"))
-        step = ExecuteStep(s + 1, [], [], [ScheduledSeq(i, 1) for i in range(len(batch))], [])
+        step = decode_step(s + 1, len(batch))
     return out
 
 

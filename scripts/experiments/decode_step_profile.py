@@ -1,6 +1,6 @@
 """Where a CPU decode step goes (issue 23, acceptance 1): the embedded SmolLM2
 on an in-process worker, B greedy sequences decoding together, per-step wall
-time, and the median per call of the oneDNN linears and of each fused op.
+time, and the time per step in the oneDNN linears and in each fused op.
 
     .venv/bin/python scripts/experiments/decode_step_profile.py --batch 64 --dtype bfloat16
 
@@ -18,11 +18,7 @@ from typing import Any
 import torch
 
 from pagedserve.bench import kv_fp8
-from pagedserve.common.config import EngineConfig
-from pagedserve.common.messages.types import SamplingParams
-from pagedserve.common.messages.worker import BlockDiff, ExecuteStep, NewSeq, ScheduledSeq
 from pagedserve.gpuworker import linear as tp_linear
-from pagedserve.gpuworker.model_runner import ModelRunner
 from pagedserve.kernels import backend, cpu_ops
 
 CALLS: dict[str, list[float]] = defaultdict(list)
@@ -50,20 +46,13 @@ def main() -> None:
     tp_linear.linear = timed("linear", tp_linear.linear)  # type: ignore[assignment]
     backend.paged_attention_cpu = timed("attention", backend.paged_attention_cpu)  # type: ignore[attr-defined]
     batch = (kv_fp8.prompts(64) * 8)[:args.batch]
-    per_seq = -(-(max(map(len, batch)) + args.steps + 2) // 16)
-    cfg = EngineConfig(model=None, dtype=args.dtype, block_size=16, num_gpu_blocks=len(batch) * per_seq + 1,
-                       max_num_seqs=len(batch))
-    runner = ModelRunner(cfg)
-    runner.init()
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 2, ignore_eos=True)
-    new = [NewSeq(i, list(q), 0, params, len(q)) for i, q in enumerate(batch)]
-    diffs = [BlockDiff(i, 0, list(range(i * per_seq, (i + 1) * per_seq))) for i in range(len(batch))]
-    runner.execute(ExecuteStep(0, new, diffs, [ScheduledSeq(i, len(q)) for i, q in enumerate(batch)], []))
+    runner, prefill = kv_fp8.batch_runner("auto", batch, args.steps + 2, args.dtype, logprobs=None)
+    runner.execute(prefill)
     steps = []
     RECORD["on"] = True
     for s in range(1, args.steps + 1):
         t = time.perf_counter()
-        runner.execute(ExecuteStep(s, [], [], [ScheduledSeq(i, 1) for i in range(len(batch))], []))
+        runner.execute(kv_fp8.decode_step(s, len(batch)))
         steps.append(time.perf_counter() - t)
     step = statistics.median(steps)
     print(f"{args.dtype}, batch {args.batch}, torch threads {torch.get_num_threads()}: decode step median "
