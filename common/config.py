@@ -208,6 +208,11 @@ def bind_error(host: str, port: int) -> str | None:
     return None
 
 
+def step_trace() -> bool:
+    """PAGEDSERVE_STEP_TRACE=1: the worker logs every step's batch, wall and CPU time."""
+    return bool(env_flag("STEP_TRACE", False))
+
+
 def worker_threads() -> int | None:
     """PAGEDSERVE_WORKER_THREADS: threads of the CPU worker (None: one per core).
     Read here for both users: gpuworker/cpu_affinity.py (before torch loads, to

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pagedserve.common.blocks import cdiv
-from pagedserve.common.config import EngineConfig, env_flag
+from pagedserve.common.config import EngineConfig, env_flag, step_trace
 from pagedserve.common.default_model import DEFAULT_MODEL_NAME, cache_dir, resolve_model
 from pagedserve.common.messages.types import ModelInfo, SamplingParams
 from pagedserve.common.messages import worker as wk
@@ -115,7 +115,8 @@ class ModelRunner:
         self.ready: WorkerReady | None = None
         self.profile: dict[str, int] = {}  # CUDA memory profile (bytes), when the pool was sized from it
         self.tokens_computed = 0  # cumulative, read by the --metrics-port hook
-        self.gaps = StepGaps()  # idle time between steps (the cost of scheduling between them)
+        # Idle time between steps (the cost of scheduling between them); per-step lines when asked.
+        self.gaps = StepGaps(trace=sys.stderr if step_trace() else None)
         self.structured = StructuredDecoding(None, 0, ())  # grammar matchers (rank 0), set up by init
         # Grammars compiled off the step path (rank 0); the cache stays the structured decoder's.
         self.compiles = AsyncCompiles(lambda: self.structured.compiler(),
@@ -268,7 +269,7 @@ class ModelRunner:
         try:
             return self._execute(step)
         finally:
-            self.gaps.end()
+            self.gaps.end(len(step.scheduled), sum(s.num_tokens for s in step.scheduled))
 
     def follow(self) -> None:
         """Ranks > 0: run rank 0's requests until it shuts the group down. A

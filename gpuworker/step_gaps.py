@@ -1,29 +1,47 @@
 """How long the worker sits idle between two steps while work continues: the
 time from one step's reply to the next step's arrival, which scheduling on the
 critical path costs (gaps over ``busy_gap_s`` are idle time with no work, not
-scheduling, and are left out)."""
+scheduling, and are left out).
+
+With ``trace`` (PAGEDSERVE_STEP_TRACE=1), one line per step: its batch, wall
+time and the process's CPU time (all threads). CPU time well above the quiet
+figure, or wall time well above CPU time over threads, says the cores are
+shared with other processes (docs/benchmarks.md, the guidellm start)."""
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import TextIO
 
 
 class StepGaps:
-    def __init__(self, busy_gap_s: float = 0.5, keep: int = 8192) -> None:
+    def __init__(self, busy_gap_s: float = 0.5, keep: int = 8192, trace: TextIO | None = None,
+                 clock: Callable[[], float] = time.perf_counter,
+                 cpu_clock: Callable[[], float] = time.process_time) -> None:
         self.busy_gap_s = busy_gap_s
         self.gaps: deque[float] = deque(maxlen=keep)
         self.busy_s = 0.0  # time inside steps
+        self.trace = trace
+        self._clock, self._cpu_clock = clock, cpu_clock
         self._last_end: float | None = None
-        self._start = 0.0
+        self._start = self._cpu_start = 0.0
 
     def begin(self) -> None:
-        self._start = time.perf_counter()
+        self._start = self._clock()
+        if self.trace is not None:
+            self._cpu_start = self._cpu_clock()
         if self._last_end is not None and (gap := self._start - self._last_end) < self.busy_gap_s:
             self.gaps.append(gap)
 
-    def end(self) -> None:
-        self._last_end = time.perf_counter()
-        self.busy_s += self._last_end - self._start
+    def end(self, num_seqs: int = 0, num_tokens: int = 0) -> None:
+        self._last_end = self._clock()
+        wall = self._last_end - self._start
+        self.busy_s += wall
+        if self.trace is not None:
+            cpu = self._cpu_clock() - self._cpu_start
+            print(f"pagedserve gpuworker: step of {num_seqs} seqs, {num_tokens} tokens: "
+                  f"wall {wall * 1000:.1f} ms, cpu {cpu * 1000:.1f} ms", file=self.trace, flush=True)
 
     def summary(self) -> str:
         if not self.gaps:
