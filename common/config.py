@@ -213,6 +213,12 @@ def step_trace() -> bool:
     return bool(env_flag("STEP_TRACE", False))
 
 
+def worker_adaptive() -> bool:
+    """PAGEDSERVE_WORKER_ADAPTIVE=0: the CPU worker keeps every pinned thread
+    even while other processes keep its cores busy (gpuworker/cpu_contention.py)."""
+    return bool(env_flag("WORKER_ADAPTIVE", True))
+
+
 def worker_threads() -> int | None:
     """PAGEDSERVE_WORKER_THREADS: threads of the CPU worker (None: one per core).
     Read here for both users: gpuworker/cpu_affinity.py (before torch loads, to

@@ -36,3 +36,13 @@ def bind_worker_threads(argv: list[str]) -> list[int]:
         cores = cores[: max(1, threads)]
     os.environ["GOMP_CPU_AFFINITY"] = " ".join(map(str, cores))
     return cores
+
+
+def bound_cores() -> list[int] | None:
+    """The cores ``bind_worker_threads`` pinned this process's threads to (None:
+    not pinned, or pinned by the deployment in a form other than a plain list)."""
+    spec = os.environ.get("GOMP_CPU_AFFINITY", "")
+    try:
+        return [int(c) for c in spec.split()] or None
+    except ValueError:
+        return None

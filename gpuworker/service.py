@@ -22,11 +22,14 @@ import traceback
 import zmq
 
 from pagedserve.common.lifecycle import StopFlag, die_with_parent
-from pagedserve.common.config import EngineConfig, add_address_args, add_engine_args, config_from_args, worker_threads
+from pagedserve.common.config import (EngineConfig, add_address_args, add_engine_args, config_from_args,
+                                      step_trace, worker_adaptive, worker_threads)
 from pagedserve.common.config import addresses_from_args, check_addresses
 from pagedserve.common.ipc import BadFrame, RepServer
 from pagedserve.common.metrics import add_metrics_arg, serve_worker_metrics
 from pagedserve.common.messages import worker as wk
+from pagedserve.gpuworker.cpu_affinity import bound_cores
+from pagedserve.gpuworker.cpu_contention import ThreadGovernor
 from pagedserve.gpuworker.distributed import create_store, init_group, rank_device
 from pagedserve.gpuworker.model_runner import ModelRunner
 from pagedserve.gpuworker.sim_worker import SimWorker
@@ -76,6 +79,17 @@ def _limit_cpu_threads(device: str, ranks: int = 1) -> None:
         torch.set_num_threads(threads)
     elif device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+
+
+def _contention_governor(cfg: EngineConfig, ranks: int) -> ThreadGovernor | None:
+    """For a single-rank CPU worker whose threads are pinned one per core."""
+    import torch
+
+    cores = bound_cores()
+    if (cfg.device != "cpu" or ranks != 1 or cfg.worker == "sim" or not worker_adaptive() or cores is None
+            or len(cores) < 2 or torch.get_num_threads() != len(cores)):
+        return None
+    return ThreadGovernor(set(cores), torch.set_num_threads, log=sys.stderr if step_trace() else None)
 
 
 def _start_ranks(cfg: EngineConfig, argv: list[str]) -> tuple[ModelRunner, list[subprocess.Popen[bytes]]]:
@@ -155,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         _stop_ranks(ranks, grace_s=5.0)
         return 1
 
+    governor = _contention_governor(cfg, tp_size)
     stop = StopFlag()
     serve_worker_metrics(args.metrics_port, runner, args.metrics_host)
     ctx = zmq.Context()
@@ -174,12 +189,17 @@ def main(argv: list[str] | None = None) -> int:
             except BadFrame as e:  # counted and logged by recv; the REP socket still owes a reply
                 server.send(wk.WorkerError(f"refused: {e}", kind=e.kind))
                 continue
-            server.send(handle(runner, msg))
+            if governor is not None and isinstance(msg, wk.ExecuteStep):
+                server.send(governor.run(lambda: handle(runner, msg)))
+            else:
+                server.send(handle(runner, msg))
             if isinstance(msg, wk.Shutdown):
                 break
     finally:
         if isinstance(runner, ModelRunner):
             print(f"pagedserve gpuworker: {runner.gaps.summary()}", file=sys.stderr, flush=True)
+        if governor is not None:
+            print(f"pagedserve gpuworker: {governor.summary()}", file=sys.stderr, flush=True)
         server.close()
         ctx.term()
         if isinstance(runner, ModelRunner) and rc == 0:
