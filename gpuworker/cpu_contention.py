@@ -76,7 +76,7 @@ class ContentionGovernor:
             return
         self._wall += wall_s
         self._cpu += cpu_s
-        if self._wall < self.policy.window_s and not self._probing:
+        if self._wall <= 0.0 or (self._wall < self.policy.window_s and not self._probing):
             return
         self.efficiency = self._cpu / self._wall / self.threads
         self._wall = self._cpu = 0.0
