@@ -84,6 +84,7 @@ def main() -> None:
             shown += 1
             print(f"  {m[1]:>3} seqs {m[2]:>4} tokens  wall {float(m[3]):7.1f} ms  cpu {float(m[4]):7.1f} ms")
     print("switches:", sum(SWITCH.search(x) is not None for x in lines))
+    print(*(x.strip() for x in srv.log if "contention:" in x))  # the worker's summary, at exit
     print("runnable tasks, every 0.5 s from guidellm's start:",
           " ".join(str(runnable[i][1]) for i in range(0, len(runnable), 10)))
 
