@@ -10,8 +10,26 @@
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 namespace pagedserve_cpu {
+
+// Denormals flushed to zero (FTZ and DAZ) while a kernel's loop runs on this
+// thread, the caller's mode restored after. The library is linked without
+// -ffast-math's startup code (it would flush for the whole process), and
+// without flushing the vectorised silu hit denormal assists: 18x slower than
+// with them flushed, measured on an Intel Xeon (530 vs 28 us for 64 x 1536).
+struct FlushDenormals {
+#if defined(__SSE__)
+  const unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+};
 
 inline float load(const float* p) { return *p; }
 inline float load(const uint16_t* p) {  // bfloat16: the high half of a float

@@ -113,6 +113,7 @@ template <typename T>
 void silu_and_mul(const T* x, T* out, int rows, int width) {
 #pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
   for (int r = 0; r < rows; ++r) {
+    const FlushDenormals ftz;  // per row: each OpenMP thread has its own mode
     const T* gate = x + static_cast<int64_t>(r) * 2 * width;
     const T* up = gate + width;
     T* o = out + static_cast<int64_t>(r) * width;
