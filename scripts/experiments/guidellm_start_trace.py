@@ -1,8 +1,9 @@
 """What guidellm's start does to the server's steps (issue 23, the p99 TTFT):
 `pagedserve serve` with the per-step trace (PAGEDSERVE_STEP_TRACE=1), guidellm's
 warm-up, then one constant-rate run while `/proc/loadavg`'s runnable count is
-sampled. Prints each request's send time and TTFT (guidellm's), and the steps
-of the first seconds with the runnable count beside them.
+sampled. Prints each request's send time and TTFT (guidellm's), the first
+steps of the run with the governor's switches between them, and the runnable
+count every 0.5 s.
 
     .venv/bin/python scripts/experiments/guidellm_start_trace.py --guidellm /tmp/gl/bin/guidellm [--nice -5]
 """
@@ -46,13 +47,13 @@ def main() -> None:
     os.environ["PAGEDSERVE_STEP_TRACE"] = "1"
     srv = start_serve("--device cpu --dtype float32 --kv-cache-memory 1GiB".split(),
                       preexec_fn=(lambda: os.nice(args.nice)) if args.nice else None)
-    runnable: list[tuple[float, int]] = []
+    runnable: list[int] = []  # every 50 ms
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(0.05):
             with open("/proc/loadavg") as f:
-                runnable.append((time.time(), int(f.read().split()[3].split("/")[0])))
+                runnable.append(int(f.read().split()[3].split("/")[0]))
 
     try:
         g.guidellm_run(args.guidellm, srv.http_url, model_dir, "kind=concurrent,streams=8",
@@ -75,7 +76,7 @@ def main() -> None:
         t = r["info"]["timings"]
         print(f"  sent {t['request_start'] - t0:6.2f} s  TTFT {(t['first_token_iteration'] - t['request_start']) * 1000:6.0f} ms")
     print(f"first {args.show_steps} steps of the run (runnable tasks on the machine, most during the run: "
-          f"{max((n for _, n in runnable), default=0)}):")
+          f"{max(runnable, default=0)}):")
     shown = 0
     for line in lines:
         if (sw := SWITCH.search(line)) is not None:
@@ -86,7 +87,7 @@ def main() -> None:
     print("switches:", sum(SWITCH.search(x) is not None for x in lines))
     print(*(x.strip() for x in srv.log if "contention:" in x))  # the worker's summary, at exit
     print("runnable tasks, every 0.5 s from guidellm's start:",
-          " ".join(str(runnable[i][1]) for i in range(0, len(runnable), 10)))
+          " ".join(map(str, runnable[::10])))
 
 
 if __name__ == "__main__":
