@@ -99,6 +99,11 @@ def _open(ctx: zmq.Context[Any], kind: int, addr: str, bind: bool, link: resolve
         ensure_private_dir(os.path.dirname(addr[len("ipc://"):]))
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    # libzmq takes any greeting that does not start with 0xff as a ZMTP 1.0 peer
+    # and gives it a pipe: a PUSH then hands it every n-th frame, lost when it
+    # hangs up. A ZAP domain makes libzmq refuse ZMTP 1.0/2.0 peers (ours all
+    # speak 3.x); with no ZAP handler running, NULL-mechanism peers still pass.
+    sock.setsockopt(zmq.ZAP_DOMAIN, b"pagedserve")
     if kind == zmq.REQ:
         # A fixed routing id (set before connecting) survives reconnects, so a
         # server keeps this client as its session owner (RepServer).

@@ -3,6 +3,8 @@ server answers them and keeps its session owner, and a waiting call ends at
 once on its stop flag or when its peer disconnects."""
 from __future__ import annotations
 
+import random
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -120,4 +122,28 @@ def test_a_put_blocked_on_a_missing_peer_gives_up_on_stop(ctx: zmq.Context, tmp_
     t0 = time.monotonic()
     push.put(fe.Outputs([]))  # nobody pulls: without the stop flag this blocks for ever
     assert 0.2 < time.monotonic() - t0 < 2.0
+    push.close()
+
+
+def test_raw_bytes_on_a_push_socket_take_no_frame(ctx: zmq.Context, tmp_path: Path) -> None:
+    """A greeting that is not ZMTP 3 (random bytes) must not become a peer the
+    PUSH round-robins to: libzmq would take it as ZMTP 1.0 and lose the frames
+    it hands that peer when it hangs up (the fuzz test's one lost Outputs)."""
+    path = tmp_path / "out.sock"
+    push: ipc.PushQueue[fe.Request] = ipc.PushQueue(ctx, f"ipc://{path}", bind=True)
+    pull: ipc.PullQueue[fe.Request] = ipc.PullQueue(ctx, f"ipc://{path}", fe.Request, bind=False)
+    rng = random.Random(1)
+    sent = 400
+    for i in range(sent):
+        if i % 10 == 0:
+            with socket.socket(socket.AF_UNIX) as u:
+                u.connect(str(path))
+                u.sendall(bytes([rng.randrange(0xFF)]) + rng.randbytes(63))  # never 0xff first: "ZMTP 1.0"
+                time.sleep(0.005)  # let libzmq read the greeting while the peer is still there
+        push.put(fe.StatsQuery(i))
+    got = []
+    while pull.poll(1000):
+        got.append(pull.get())
+    assert got == [fe.StatsQuery(i) for i in range(sent)]
+    pull.close()
     push.close()
