@@ -7,6 +7,14 @@ way and 8.3 ms with a weight oneDNN packed in advance (2.5-3.5x on every
 SmolLM2 shape). vLLM's CPU build prepacks for the same reason. The packed copy
 sits beside the original (the embedding and the tests still read that one).
 ``PAGEDSERVE_CPU_PACKED_GEMM=0`` turns it off.
+
+At one or two rows (decode at low load) the step is bound by reading every
+weight once, and oneDNN's packed GEMM streams them slowly there: the
+compiled few-row kernel (``kernels/cpu_gemv.cpp``), over the original
+weight, made the whole SmolLM2 decode step 1.33x faster at one sequence and
+1.26x at two in fp32 (1.22x / 1.17x in bf16) on the 2-core EPYC, and was
+level or slower from four rows (``docs/benchmarks.md``).
+``PAGEDSERVE_CPU_SMALL_GEMM_ROWS`` sets the most rows it takes (0: never).
 """
 from __future__ import annotations
 
@@ -14,9 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.common.config import env_flag
+from pagedserve.common.env import env_flag, env_int
+from pagedserve.kernels import cpu_ops
 
 ENV = "CPU_PACKED_GEMM"  # PAGEDSERVE_CPU_PACKED_GEMM=0: plain F.linear
+SMALL_ROWS_ENV = "CPU_SMALL_GEMM_ROWS"
+SMALL_ROWS_DEFAULT = 2
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -33,17 +44,31 @@ def pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+def small_rows() -> int:
+    """The most rows of x that go to the few-row kernel instead of oneDNN."""
+    rows = env_int(SMALL_ROWS_ENV, SMALL_ROWS_DEFAULT)
+    return max(0, min(int(rows if rows is not None else SMALL_ROWS_DEFAULT), cpu_ops.SMALL_LINEAR_MAX_ROWS))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
+           max_small_rows: int = 0) -> torch.Tensor:
+    """``max_small_rows``: x with at most that many rows goes to the few-row kernel."""
     if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
+    if x.dim() == 2 and x.shape[0] <= max_small_rows:
+        out = cpu_ops.small_linear(x.contiguous(), weight, bias)
+        if out is not None:
+            return out
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 def pack_model(model: nn.Module, batch_hint: int) -> int:
-    """Packs every layer that has a ``packed`` slot; returns how many."""
-    n = 0
+    """Packs every layer that has a ``packed`` slot, and sets where it takes
+    the few-row kernel instead; returns how many were packed."""
+    n, rows = 0, small_rows()
     for m in model.modules():
         if hasattr(m, "packed") and isinstance(getattr(m, "weight", None), torch.Tensor):
             m.packed = pack(m.weight, batch_hint)
+            m.small_rows = rows if m.packed is not None else 0
             n += m.packed is not None
     return n

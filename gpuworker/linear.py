@@ -39,6 +39,7 @@ class ColumnParallelLinear(nn.Module):
         out = sum(size for _, size in parts)
         self.weight = nn.Parameter(torch.empty(out, in_features))
         self.packed: torch.Tensor | None = None  # oneDNN layout on CPU, set by cpu_gemm.pack_model
+        self.small_rows = 0  # inputs of at most this many rows take the few-row kernel (pack_model)
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
 
     @classmethod
@@ -56,7 +57,7 @@ class ColumnParallelLinear(nn.Module):
         getattr(self, attr).data.narrow(0, self.offsets[shard], size).copy_(tensor.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.small_rows)
 
 
 def qkv_linear(hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup) -> ColumnParallelLinear:
@@ -76,6 +77,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features, self.part, self.tp = in_features, out_features, part, tp
         self.weight = nn.Parameter(torch.empty(out_features, part[1]))
         self.packed: torch.Tensor | None = None  # oneDNN layout on CPU, set by cpu_gemm.pack_model
+        self.small_rows = 0  # inputs of at most this many rows take the few-row kernel (pack_model)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     num_shards = 1
@@ -90,8 +92,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, self.packed)
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed))
+            return linear(x, self.weight, self.bias, self.packed, self.small_rows)
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed, self.small_rows))
         return y if self.bias is None else y + self.bias
 
 
@@ -108,6 +110,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_real = max(0, min(vocab_size, self.start + self.per_rank) - self.start)
         self.weight = nn.Parameter(torch.empty(self.per_rank, dim))
         self.packed: torch.Tensor | None = None  # oneDNN layout on CPU, set by cpu_gemm.pack_model
+        self.small_rows = 0  # inputs of at most this many rows take the few-row kernel (pack_model)
 
     num_shards = 1
 
@@ -126,7 +129,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[tokens, vocab_size] on every rank."""
-        local = linear(hidden, self.weight, None, self.packed)
+        local = linear(hidden, self.weight, None, self.packed, self.small_rows)
         if self.tp.size == 1:
             return local
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]

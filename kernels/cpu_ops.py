@@ -1,4 +1,5 @@
-"""The fused per-layer ops of the CPU serving path (``cpu_ops.cpp``).
+"""The fused per-layer ops of the CPU serving path (``cpu_ops.cpp``) and
+its few-row linear (``cpu_gemv.cpp``).
 
 Each function returns None (or False) where the compiled library cannot run
 it (not built, another device or dtype, a layout it does not take), and the
@@ -74,4 +75,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     rc = cpu_build.load().pagedserve_silu_and_mul(code, x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1] // 2)
     if rc != 0:
         raise ValueError(f"silu_and_mul: bad shapes (code {rc})")
+    return out
+
+
+SMALL_LINEAR_MAX_ROWS = 16  # cpu_gemv.cpp's MAX_ROWS
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ weight.T + bias for x [M <= 16, K], weight [N, K] as the checkpoint
+    stores it (``cpu_gemv.cpp``: streams the weight once, for decode at low
+    batch). None where it does not apply (K not a multiple of 16, say)."""
+    code = _code(x, weight) if bias is None else _code(x, weight, bias)
+    if (code is None or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]
+            or not 1 <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS or x.shape[1] % 16 != 0):
+        return None
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
+    rc = cpu_build.load().pagedserve_small_linear(code, x.data_ptr(), weight.data_ptr(),
+                                                  None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                                  x.shape[0], weight.shape[0], weight.shape[1])
+    if rc != 0:
+        raise ValueError(f"small_linear: bad shapes (code {rc})")
     return out

@@ -138,3 +138,55 @@ def test_silu_flushes_denormals_inside_and_leaves_the_callers_mode() -> None:
     assert out[0, 0].item() == 0.0  # the kernel flushed it
     assert out[1, 0].item() == pytest.approx(ref[1, 0].item(), rel=1e-6)
     assert (torch.tensor([tiny]) * 1.0).item() != 0.0  # the mode was restored
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("n,k,with_bias", [(963, 576, True), (576, 1536, False), (4, 16, True)])
+def test_small_linear_equals_a_float64_matmul(dtype: torch.dtype, tol: float, rows: int, n: int, k: int,
+                                              with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows * 7 + n)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)  # n = 963: 3 rows past the last block of 4
+    bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    got = cpu_ops.small_linear(x, w, bias)
+    assert got is not None and got.shape == (rows, n) and got.dtype == dtype
+    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert err < tol, err
+
+
+def test_small_linear_declines_what_it_does_not_take() -> None:
+    w = torch.randn(32, 64)
+    assert cpu_ops.small_linear(torch.randn(17, 64), w, None) is None  # more rows than the kernel keeps
+    assert cpu_ops.small_linear(torch.randn(2, 60), torch.randn(32, 60), None) is None  # K not a multiple of 16
+    assert cpu_ops.small_linear(torch.randn(2, 64).double(), w.double(), None) is None
+    assert cpu_ops.small_linear(torch.randn(2, 32), w, None) is None  # K differs
+    assert cpu_ops.small_linear(torch.randn(2, 64), w.t().contiguous().t(), None) is None  # not contiguous
+
+
+def test_cpu_linear_takes_the_small_kernel_up_to_its_row_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_gemm.linear: rows <= the layer's limit take cpu_gemv.cpp, more take oneDNN;
+    pack_model sets the limit from PAGEDSERVE_CPU_SMALL_GEMM_ROWS (default 2)."""
+    from torch import nn
+
+    from pagedserve.gpuworker import cpu_gemm
+    from pagedserve.gpuworker.distributed import SINGLE
+    from pagedserve.gpuworker.linear import RowParallelLinear
+
+    torch.manual_seed(0)
+    layer = RowParallelLinear(64, 48, (0, 64), True, SINGLE)
+    nn.init.normal_(layer.weight)
+    nn.init.normal_(layer.bias)
+    assert cpu_gemm.pack_model(layer, 64) == 1 and layer.small_rows == cpu_gemm.SMALL_ROWS_DEFAULT == 2
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, 64)
+        small = cpu_ops.small_linear(x, layer.weight, layer.bias)
+        onednn = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+        assert small is not None and not torch.equal(small, onednn)  # they sum in different orders: tellable apart
+        assert torch.equal(layer(x), small if rows <= 2 else onednn), rows
+    monkeypatch.setenv("PAGEDSERVE_CPU_SMALL_GEMM_ROWS", "0")
+    cpu_gemm.pack_model(layer, 64)
+    x = torch.randn(1, 64)
+    assert layer.small_rows == 0
+    assert torch.equal(layer(x), torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], ""))
