@@ -12,6 +12,8 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pagedserve  # noqa: E402,F401 - takes the repository root off sys.path before transformers looks for `kernels`
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _kernel_settings() -> None:
