@@ -29,8 +29,8 @@ from pagedserve.frontend.generation import FrontendConfig, GenerationService
 from pagedserve.frontend.server import serve
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-from tests.models import train_tokenizer
-from tests.test_engine_client_health import FakeScheduler
+from models import train_tokenizer
+from test_engine_client_health import FakeScheduler
 
 # gRPC's own code <-> HTTP status mapping (google.rpc.Code's documented HTTP equivalents).
 GRPC_TO_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
@@ -54,7 +54,7 @@ def test_the_table_covers_every_kind_and_reason_consistently() -> None:
 
 async def _scheduler(fake: FakeScheduler) -> None:
     """Answers queries; fails each AddRequest with the kind its prompt names."""
-    from tests.test_engine_client_health import INFO, stats
+    from test_engine_client_health import INFO, stats
 
     seq = 0
     while True:

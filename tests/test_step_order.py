@@ -7,7 +7,7 @@ import pytest
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import worker as wk
 from pagedserve.scheduler.plan import StepOrderError, StepPhase
-from tests.test_scheduler import add, make_engine
+from test_scheduler import add, make_engine
 
 
 def _settled(core, blocks):  # type: ignore[no-untyped-def]
