@@ -11,9 +11,9 @@ sits beside the original (the embedding and the tests still read that one).
 At one or two rows (decode at low load) the step is bound by reading every
 weight once, and oneDNN's packed GEMM streams them slowly there: the
 compiled few-row kernel (``kernels/cpu_gemv.cpp``), over the original
-weight, made the whole SmolLM2 decode step 1.33x faster at one sequence and
-1.26x at two in fp32 (1.22x / 1.17x in bf16) on the 2-core EPYC, and was
-level or slower from four rows (``docs/benchmarks.md``).
+weight, made the whole SmolLM2 decode step 1.27x faster at one sequence and
+1.28x at two in fp32 (1.13x / 1.11x in bf16) on the 2-core EPYC, and was
+level or slower from three rows (``docs/gpuworker.md``).
 ``PAGEDSERVE_CPU_SMALL_GEMM_ROWS`` sets the most rows it takes (0: never).
 """
 from __future__ import annotations
@@ -46,8 +46,8 @@ def pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
 
 def small_rows() -> int:
     """The most rows of x that go to the few-row kernel instead of oneDNN."""
-    rows = env_int(SMALL_ROWS_ENV, SMALL_ROWS_DEFAULT)
-    return max(0, min(int(rows if rows is not None else SMALL_ROWS_DEFAULT), cpu_ops.SMALL_LINEAR_MAX_ROWS))
+    rows = env_int(SMALL_ROWS_ENV, SMALL_ROWS_DEFAULT) or 0
+    return max(0, min(rows, cpu_ops.SMALL_LINEAR_MAX_ROWS))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
