@@ -66,19 +66,19 @@ inline void dot_block_bf16(const uint16_t* x, const uint16_t* w, int64_t K, floa
   for (int r = 0; r < RR; ++r)
     for (int m = 0; m < M; ++m) out[m * RR + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
-
-template <int M, int RR>
-inline void dot_any(const uint16_t* x, const uint16_t* w, int64_t K, float* out) {
-  if (K % (2 * LANES) == 0) {
-    dot_block_bf16<M, RR>(x, w, K, out);
-  } else {
-    dot_block<M, RR>(x, w, K, out);
-  }
-}
 #endif
 
+// dot_block, or on bf16 with AVX512-BF16 (and K a multiple of 32) dot_block_bf16.
 template <int M, int RR, typename T>
 inline void dot_any(const T* x, const T* w, int64_t K, float* out) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (K % (2 * LANES) == 0) {
+      dot_block_bf16<M, RR>(x, w, K, out);
+      return;
+    }
+  }
+#endif
   dot_block<M, RR>(x, w, K, out);
 }
 

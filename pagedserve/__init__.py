@@ -16,10 +16,6 @@ def _leave_the_source_root_off_sys_path() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if os.path.isfile(os.path.join(root, "kernels", "cpu_build.py")):
         sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
-        shadow = sys.modules.get("kernels")
-        if shadow is not None and os.path.dirname(os.path.abspath(getattr(shadow, "__file__", None) or "")) == \
-                os.path.join(root, "kernels"):
-            del sys.modules["kernels"]  # imported through that entry before pagedserve was
 
 
 _leave_the_source_root_off_sys_path()

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+from pagedserve.gpuworker import cpu_gemm
+from pagedserve.gpuworker.distributed import SINGLE
 from pagedserve.gpuworker.layers import RMSNorm, RotaryEmbedding, _rotate
+from pagedserve.gpuworker.linear import RowParallelLinear
 from pagedserve.kernels import cpu_build, cpu_ops
 
 DTYPES = [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)]
@@ -168,12 +172,6 @@ def test_small_linear_declines_what_it_does_not_take() -> None:
 def test_cpu_linear_takes_the_small_kernel_up_to_its_row_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """cpu_gemm.linear: rows <= the layer's limit take cpu_gemv.cpp, more take oneDNN;
     pack_model sets the limit from PAGEDSERVE_CPU_SMALL_GEMM_ROWS (default 2)."""
-    from torch import nn
-
-    from pagedserve.gpuworker import cpu_gemm
-    from pagedserve.gpuworker.distributed import SINGLE
-    from pagedserve.gpuworker.linear import RowParallelLinear
-
     torch.manual_seed(0)
     layer = RowParallelLinear(64, 48, (0, 64), True, SINGLE)
     nn.init.normal_(layer.weight)
