@@ -1,74 +1,90 @@
-"""Linear layers on CPU through oneDNN with weights packed once at load.
+"""Linear layers on CPU over a weight packed once at load.
 
 ``F.linear`` on CPU goes to MKL's sgemm, which re-packs the weight on every
 call and on AMD CPUs runs a slow code path: measured on the 2-core EPYC,
 [64, 576] x [576, 49152] (SmolLM2's LM head at 64 decodes) takes 30 ms that
-way and 8.3 ms with a weight oneDNN packed in advance (2.5-3.5x on every
-SmolLM2 shape). vLLM's CPU build prepacks for the same reason. The packed copy
-sits beside the original (the embedding and the tests still read that one).
-``PAGEDSERVE_CPU_PACKED_GEMM=0`` turns it off.
+way and 8.3 ms with a weight oneDNN packed in advance. vLLM's CPU build
+prepacks for the same reason.
 
-At one or two rows (decode at low load) the step is bound by reading every
-weight once, and oneDNN's packed GEMM streams them slowly there: the
-compiled few-row kernel (``kernels/cpu_gemv.cpp``), over the original
-weight, made the whole SmolLM2 decode step 1.27x faster at one sequence and
-1.28x at two in fp32 (1.13x / 1.11x in bf16) on the 2-core EPYC, and was
-level or slower from three rows (``docs/gpuworker.md``).
-``PAGEDSERVE_CPU_SMALL_GEMM_ROWS`` sets the most rows it takes (0: never).
+The default packing is the compiled kernel's panels (``kernels/cpu_linear.cpp``):
+on the 2-core EPYC the whole SmolLM2 decode step ran 1.03-1.22x faster with
+them than with oneDNN's packed GEMM in fp32 and 1.09-1.41x in bf16 (1 to 64
+sequences), and prefills of 512 and 2,048 tokens level (0.98-1.00x;
+docs/gpuworker.md, "Linear layers"). Where the library is not built, or with
+``PAGEDSERVE_CPU_LINEAR=onednn``, oneDNN packs instead. One packed copy sits
+beside the original (the embedding and the tests read that one).
+``PAGEDSERVE_CPU_PACKED_GEMM=0`` packs nothing: plain ``F.linear``.
 """
 from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.common.env import env_flag, env_int
+from pagedserve.common.env import env, env_flag
 from pagedserve.kernels import cpu_ops
 
 ENV = "CPU_PACKED_GEMM"  # PAGEDSERVE_CPU_PACKED_GEMM=0: plain F.linear
-SMALL_ROWS_ENV = "CPU_SMALL_GEMM_ROWS"
-SMALL_ROWS_DEFAULT = 2
+KERNEL_ENV = "CPU_LINEAR"  # PAGEDSERVE_CPU_LINEAR=onednn: oneDNN's packing instead of the panels
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def packed_gemm_available() -> bool:
-    if not env_flag(ENV, True):
-        return False
+class Layout(enum.Enum):
+    PANELS = "panels"  # cpu_linear.cpp
+    ONEDNN = "onednn"  # torch.ops.mkldnn
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    layout: Layout
+    data: torch.Tensor
+    out_features: int
+
+
+def _onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor | None:
-    """oneDNN's layout of ``weight`` [out, in] for inputs of about ``batch_hint`` rows, or None."""
-    if weight.device.type != "cpu" or weight.dtype not in _DTYPES or not packed_gemm_available():
+def chosen_layout() -> Layout:
+    """The layout ``PAGEDSERVE_CPU_LINEAR`` asks for (panels by default)."""
+    return Layout(str(env(KERNEL_ENV, Layout.PANELS.value)).strip().lower())
+
+
+def pack(weight: torch.Tensor, batch_hint: int, layout: Layout | None = None) -> PackedWeight | None:
+    """``weight`` [out, in] packed in ``layout`` (None: ``chosen_layout()``; panels
+    fall back to oneDNN where the library cannot pack), or None: plain F.linear."""
+    if weight.device.type != "cpu" or weight.dtype not in _DTYPES or weight.dim() != 2 or not env_flag(ENV, True):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+    layout = chosen_layout() if layout is None else layout
+    if layout is Layout.PANELS:
+        panels = cpu_ops.pack_linear(weight.detach().contiguous())
+        if panels is not None:
+            return PackedWeight(Layout.PANELS, panels, weight.shape[0])
+    if not _onednn_available():
+        return None
+    return PackedWeight(Layout.ONEDNN, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint),
+                        weight.shape[0])
 
 
-def small_rows() -> int:
-    """The most rows of x that go to the few-row kernel instead of oneDNN."""
-    rows = env_int(SMALL_ROWS_ENV, SMALL_ROWS_DEFAULT) or 0
-    return max(0, min(rows, cpu_ops.SMALL_LINEAR_MAX_ROWS))
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
-           max_small_rows: int = 0) -> torch.Tensor:
-    """``max_small_rows``: x with at most that many rows goes to the few-row kernel."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
     if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    if x.dim() == 2 and x.shape[0] <= max_small_rows:
-        out = cpu_ops.small_linear(x.contiguous(), weight, bias)
+    if packed.layout is Layout.PANELS:
+        out = cpu_ops.packed_linear(x, packed.data, packed.out_features, bias)
         if out is not None:
             return out
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed.data, bias, "none", [], "")
 
 
 def pack_model(model: nn.Module, batch_hint: int) -> int:
-    """Packs every layer that has a ``packed`` slot, and sets where it takes
-    the few-row kernel instead; returns how many were packed."""
-    n, rows = 0, small_rows()
+    """Packs every layer that has a ``packed`` slot; returns how many were packed."""
+    n = 0
     for m in model.modules():
         if hasattr(m, "packed") and isinstance(getattr(m, "weight", None), torch.Tensor):
             m.packed = pack(m.weight, batch_hint)
-            m.small_rows = rows if m.packed is not None else 0
             n += m.packed is not None
     return n

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.gpuworker.cpu_gemm import linear
+from pagedserve.gpuworker.cpu_gemm import PackedWeight, linear
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, head_range, split_range
 
 
@@ -38,8 +38,7 @@ class ColumnParallelLinear(nn.Module):
         self.offsets = [sum(size for _, size in parts[:i]) for i in range(len(parts))]
         out = sum(size for _, size in parts)
         self.weight = nn.Parameter(torch.empty(out, in_features))
-        self.packed: torch.Tensor | None = None  # oneDNN layout on CPU, set by cpu_gemm.pack_model
-        self.small_rows = 0  # inputs of at most this many rows take the few-row kernel (pack_model)
+        self.packed: PackedWeight | None = None  # on CPU, set by cpu_gemm.pack_model
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
 
     @classmethod
@@ -57,7 +56,7 @@ class ColumnParallelLinear(nn.Module):
         getattr(self, attr).data.narrow(0, self.offsets[shard], size).copy_(tensor.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed, self.small_rows)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 def qkv_linear(hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup) -> ColumnParallelLinear:
@@ -76,8 +75,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.part, self.tp = in_features, out_features, part, tp
         self.weight = nn.Parameter(torch.empty(out_features, part[1]))
-        self.packed: torch.Tensor | None = None  # oneDNN layout on CPU, set by cpu_gemm.pack_model
-        self.small_rows = 0  # inputs of at most this many rows take the few-row kernel (pack_model)
+        self.packed: PackedWeight | None = None  # on CPU, set by cpu_gemm.pack_model
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     num_shards = 1
@@ -92,8 +90,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, self.packed, self.small_rows)
-        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed, self.small_rows))
+            return linear(x, self.weight, self.bias, self.packed)
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed))
         return y if self.bias is None else y + self.bias
 
 
@@ -109,8 +107,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.per_rank
         self.num_real = max(0, min(vocab_size, self.start + self.per_rank) - self.start)
         self.weight = nn.Parameter(torch.empty(self.per_rank, dim))
-        self.packed: torch.Tensor | None = None  # oneDNN layout on CPU, set by cpu_gemm.pack_model
-        self.small_rows = 0  # inputs of at most this many rows take the few-row kernel (pack_model)
+        self.packed: PackedWeight | None = None  # on CPU, set by cpu_gemm.pack_model
 
     num_shards = 1
 
@@ -129,7 +126,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[tokens, vocab_size] on every rank."""
-        local = linear(hidden, self.weight, None, self.packed, self.small_rows)
+        local = linear(hidden, self.weight, None, self.packed)
         if self.tp.size == 1:
             return local
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]

@@ -1,6 +1,6 @@
-"""Builds and loads the CPU kernel library: PagedAttention (``cpu_attention.cpp``)
-the fused per-layer ops (``cpu_ops.cpp``) and the few-row linear
-(``cpu_gemv.cpp``), sharing ``cpu_common.h``.
+"""Builds and loads the CPU kernel library: PagedAttention (``cpu_attention.cpp``),
+the fused per-layer ops (``cpu_ops.cpp``) and the linear layers over packed
+panels (``cpu_linear.cpp``), sharing ``cpu_common.h``.
 
 Compiled once per source, compiler and CPU into a cache folder
 (``<folder>/<hash>/``) with ``-march=native``, so a cache shared between
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_attention.cpp", HERE / "cpu_ops.cpp", HERE / "cpu_gemv.cpp")
+SOURCES = (HERE / "cpu_attention.cpp", HERE / "cpu_ops.cpp", HERE / "cpu_linear.cpp")
 HEADERS = (HERE / "cpu_common.h",)
 # Compiled with fast math (vectorised expf, reassociated sums) but linked
 # without it: a -ffast-math link adds crtfastmath, whose constructor turns on
@@ -113,7 +113,8 @@ def load() -> ctypes.CDLL | None:
         "pagedserve_add_rms_norm": [i32, ptr, ptr, ptr, ptr, i32, i32, f32],
         "pagedserve_rope_and_cache": [i32, i32, ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr],
         "pagedserve_silu_and_mul": [i32, ptr, ptr, i32, i32],
-        "pagedserve_small_linear": [i32, ptr, ptr, ptr, ptr, i32, i64, i64],
+        "pagedserve_linear_pack": [i32, ptr, ptr, i64, i64],
+        "pagedserve_linear": [i32, ptr, ptr, ptr, ptr, i64, i64, i64],
     }
     for name, argtypes in signatures.items():
         fn = getattr(dll, name)

@@ -1,5 +1,5 @@
 """The fused per-layer ops of the CPU serving path (``cpu_ops.cpp``) and
-its few-row linear (``cpu_gemv.cpp``).
+its linear layers over packed panels (``cpu_linear.cpp``).
 
 Each function returns None (or False) where the compiled library cannot run
 it (not built, another device or dtype, a layout it does not take), and the
@@ -78,21 +78,37 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-SMALL_LINEAR_MAX_ROWS = 16  # cpu_gemv.cpp's MAX_ROWS
+PANEL = 16  # output features per panel (cpu_linear.cpp's LANES)
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x @ weight.T + bias for x [M <= 16, K], weight [N, K] as the checkpoint
-    stores it (``cpu_gemv.cpp``: streams the weight once, for decode at low
-    batch). None where it does not apply (K not a multiple of 16, say)."""
-    code = _code(x, weight) if bias is None else _code(x, weight, bias)
-    if (code is None or x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]
-            or not 1 <= x.shape[0] <= SMALL_LINEAR_MAX_ROWS or x.shape[1] % 16 != 0):
+def pack_linear(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [N, K] in ``cpu_linear.cpp``'s panels: [ceil(N / 16) * 16, K]
+    elements of its dtype (features past N zero), for ``packed_linear``."""
+    code = _code(weight)
+    if code is None or weight.dim() != 2 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 != 0):
         return None
-    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
-    rc = cpu_build.load().pagedserve_small_linear(code, x.data_ptr(), weight.data_ptr(),
-                                                  None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                                  x.shape[0], weight.shape[0], weight.shape[1])
+    n, k = weight.shape
+    packed = torch.empty((-(-n // PANEL) * PANEL, k), dtype=weight.dtype)
+    rc = cpu_build.load().pagedserve_linear_pack(code, weight.data_ptr(), packed.data_ptr(), n, k)
     if rc != 0:
-        raise ValueError(f"small_linear: bad shapes (code {rc})")
-    return out
+        raise ValueError(f"pack_linear: bad shapes (code {rc})")
+    return packed
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ weight.T + bias for x [..., K], ``packed`` = ``pack_linear(weight)``
+    and weight's ``out_features`` rows."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    code = _code(x2, packed) if bias is None else _code(x2, packed, bias)
+    if (code is None or packed.dim() != 2 or x2.shape[1] != packed.shape[1] or x2.shape[0] == 0
+            or not 0 < out_features <= packed.shape[0] < out_features + PANEL
+            or (bias is not None and bias.shape != (out_features,))):
+        return None
+    out = torch.empty((x2.shape[0], out_features), dtype=x.dtype)
+    rc = cpu_build.load().pagedserve_linear(code, x2.data_ptr(), packed.data_ptr(),
+                                            None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                            x2.shape[0], out_features, packed.shape[1])
+    if rc != 0:
+        raise ValueError(f"packed_linear: bad shapes (code {rc})")
+    return out.view(*x.shape[:-1], out_features)

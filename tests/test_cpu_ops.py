@@ -145,46 +145,71 @@ def test_silu_flushes_denormals_inside_and_leaves_the_callers_mode() -> None:
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16])
-@pytest.mark.parametrize("n,k,with_bias", [(963, 576, True), (576, 1536, False), (4, 16, True)])
-def test_small_linear_equals_a_float64_matmul(dtype: torch.dtype, tol: float, rows: int, n: int, k: int,
-                                              with_bias: bool) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 67])
+@pytest.mark.parametrize("n,k,with_bias", [(963, 576, True), (576, 1536, False), (40, 64, True), (3, 10, False)])
+def test_packed_linear_equals_a_float64_matmul(dtype: torch.dtype, tol: float, rows: int, n: int, k: int,
+                                               with_bias: bool) -> None:
+    """cpu_linear.cpp over its panels: rows past a tile of 8 and a remainder, N past
+    the last group of 3 panels and inside a panel (963 = 60 panels + 3), small K."""
     g = torch.Generator().manual_seed(rows * 7 + n)
     x = torch.randn(rows, k, generator=g).to(dtype)
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)  # n = 963: 3 rows past the last block of 4
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
     want = x.double() @ w.double().T + (0 if bias is None else bias.double())
-    got = cpu_ops.small_linear(x, w, bias)
+    packed = cpu_ops.pack_linear(w)
+    assert packed is not None and packed.shape == (-(-n // 16) * 16, k)
+    got = cpu_ops.packed_linear(x, packed, n, bias)
     assert got is not None and got.shape == (rows, n) and got.dtype == dtype
     err = ((got.double() - want).abs().max() / want.abs().max()).item()
     assert err < tol, err
 
 
-def test_small_linear_declines_what_it_does_not_take() -> None:
+def test_pack_linear_lays_out_panels_of_16_features() -> None:
+    """fp32: panel p is w[16p : 16p + 16].T ([K][16]), zero past N; bf16: k pairs
+    side by side ([K/2][16][2]), the layout vdpbf16ps reads."""
+    w = torch.arange(20 * 4, dtype=torch.float32).view(20, 4)
+    p = cpu_ops.pack_linear(w).view(2, 4, 16)
+    assert torch.equal(p[0], w[:16].T) and torch.equal(p[1, :, :4], w[16:].T) and not p[1, :, 4:].any()
+    b = cpu_ops.pack_linear(w.bfloat16()).view(2, 2, 16, 2)
+    assert torch.equal(b[0, 1, 3], w[3, 2:4].bfloat16())  # feature 3, k = 2 and 3
+
+
+def test_packed_linear_declines_what_it_does_not_take() -> None:
     w = torch.randn(32, 64)
-    assert cpu_ops.small_linear(torch.randn(17, 64), w, None) is None  # more rows than the kernel keeps
-    assert cpu_ops.small_linear(torch.randn(2, 60), torch.randn(32, 60), None) is None  # K not a multiple of 16
-    assert cpu_ops.small_linear(torch.randn(2, 64).double(), w.double(), None) is None
-    assert cpu_ops.small_linear(torch.randn(2, 32), w, None) is None  # K differs
-    assert cpu_ops.small_linear(torch.randn(2, 64), w.t().contiguous().t(), None) is None  # not contiguous
+    p = cpu_ops.pack_linear(w)
+    assert cpu_ops.pack_linear(torch.randn(8, 9).bfloat16()) is None  # bf16 needs k pairs
+    assert cpu_ops.pack_linear(w.double()) is None
+    assert cpu_ops.packed_linear(torch.randn(2, 64).double(), p, 32, None) is None
+    assert cpu_ops.packed_linear(torch.randn(2, 32), p, 32, None) is None  # K differs
+    assert cpu_ops.packed_linear(torch.randn(2, 64), p, 16, None) is None  # a whole panel past the features
+    assert cpu_ops.packed_linear(torch.randn(2, 64), p, 32, torch.randn(31)) is None  # bias of another size
+    assert cpu_ops.packed_linear(torch.randn(0, 64), p, 32, None) is None
+    x = torch.randn(3, 5, 64)  # leading dimensions kept
+    assert torch.allclose(cpu_ops.packed_linear(x, p, 32, None), x @ w.T, atol=1e-4)
 
 
-def test_cpu_linear_takes_the_small_kernel_up_to_its_row_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """cpu_gemm.linear: rows <= the layer's limit take cpu_gemv.cpp, more take oneDNN;
-    pack_model sets the limit from PAGEDSERVE_CPU_SMALL_GEMM_ROWS (default 2)."""
+def test_cpu_linear_packs_panels_and_falls_back_to_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cpu_gemm: panels by default, oneDNN with PAGEDSERVE_CPU_LINEAR=onednn, plain
+    F.linear with PAGEDSERVE_CPU_PACKED_GEMM=0; each result is the layout's own."""
+    calls: list[int] = []
+    real = cpu_ops.packed_linear
+    monkeypatch.setattr(cpu_ops, "packed_linear", lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(0)
     layer = RowParallelLinear(64, 48, (0, 64), True, SINGLE)
     nn.init.normal_(layer.weight)
     nn.init.normal_(layer.bias)
-    assert cpu_gemm.pack_model(layer, 64) == 1 and layer.small_rows == cpu_gemm.SMALL_ROWS_DEFAULT == 2
-    for rows in (1, 2, 3):
-        x = torch.randn(rows, 64)
-        small = cpu_ops.small_linear(x, layer.weight, layer.bias)
-        onednn = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
-        assert small is not None and not torch.equal(small, onednn)  # they sum in different orders: tellable apart
-        assert torch.equal(layer(x), small if rows <= 2 else onednn), rows
-    monkeypatch.setenv("PAGEDSERVE_CPU_SMALL_GEMM_ROWS", "0")
-    cpu_gemm.pack_model(layer, 64)
-    x = torch.randn(1, 64)
-    assert layer.small_rows == 0
-    assert torch.equal(layer(x), torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], ""))
+    x = torch.randn(5, 64)
+    assert cpu_gemm.pack_model(layer, 64) == 1 and layer.packed.layout is cpu_gemm.Layout.PANELS
+    panels = real(x, layer.packed.data, 48, layer.bias)
+    assert torch.equal(layer(x), panels) and len(calls) == 1
+    monkeypatch.setenv("PAGEDSERVE_CPU_LINEAR", "onednn")
+    assert cpu_gemm.pack_model(layer, 64) == 1 and layer.packed.layout is cpu_gemm.Layout.ONEDNN
+    onednn = torch.ops.mkldnn._linear_pointwise(x, layer.packed.data, layer.bias, "none", [], "")
+    assert torch.equal(layer(x), onednn) and len(calls) == 1
+    monkeypatch.setenv("PAGEDSERVE_CPU_PACKED_GEMM", "0")
+    assert cpu_gemm.pack_model(layer, 64) == 0 and layer.packed is None
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias)) and len(calls) == 1
+    monkeypatch.setenv("PAGEDSERVE_CPU_LINEAR", "mkl")
+    monkeypatch.delenv("PAGEDSERVE_CPU_PACKED_GEMM")
+    with pytest.raises(ValueError):
+        cpu_gemm.pack_model(layer, 64)
