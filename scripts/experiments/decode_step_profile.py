@@ -35,16 +35,21 @@ def timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def install_hooks() -> None:
+    """Time every linear, the attention and each fused op into CALLS (while RECORD is on)."""
+    for name in ("silu_and_mul", "add_rms_norm", "rope_and_cache"):
+        setattr(cpu_ops, name, timed(name, getattr(cpu_ops, name)))
+    tp_linear.linear = timed("linear", tp_linear.linear)  # type: ignore[assignment]
+    backend.paged_attention_cpu = timed("attention", backend.paged_attention_cpu)  # type: ignore[attr-defined]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--steps", type=int, default=40)
     args = p.parse_args()
-    for name in ("silu_and_mul", "add_rms_norm", "rope_and_cache"):
-        setattr(cpu_ops, name, timed(name, getattr(cpu_ops, name)))
-    tp_linear.linear = timed("linear", tp_linear.linear)  # type: ignore[assignment]
-    backend.paged_attention_cpu = timed("attention", backend.paged_attention_cpu)  # type: ignore[attr-defined]
+    install_hooks()
     batch = (kv_fp8.prompts(64) * 8)[:args.batch]
     runner, prefill = kv_fp8.batch_runner("auto", batch, args.steps + 2, args.dtype, logprobs=None)
     runner.execute(prefill)

@@ -31,12 +31,10 @@ def again(first: ExecuteStep, step_id: int) -> ExecuteStep:
 def compare(batch_size: int, dtype: str, rounds: int, steps: int, prefill: int) -> tuple[float, float]:
     """Median step (s) with oneDNN's layout and with the panels for every linear layer."""
     if prefill:
-        batch = [list(range(100, 100 + prefill))]
-        rounds_needed = 1
+        batch, max_tokens = [list(range(100, 100 + prefill))], 1
     else:
-        batch = (kv_fp8.prompts(64) * 8)[:batch_size]
-        rounds_needed = rounds * steps * 2 + 2
-    runner, first = kv_fp8.batch_runner("auto", batch, rounds_needed, dtype, logprobs=None)
+        batch, max_tokens = (kv_fp8.prompts(64) * 8)[:batch_size], rounds * steps * 2 + 2
+    runner, first = kv_fp8.batch_runner("auto", batch, max_tokens, dtype, logprobs=None)
     layers = [m for m in runner.model.modules() if getattr(m, "packed", None) is not None]
     packs = {layout: [cpu_gemm.pack(m.weight, 64, layout) for m in layers] for layout in cpu_gemm.Layout}
     medians: dict[cpu_gemm.Layout, list[float]] = {layout: [] for layout in cpu_gemm.Layout}
