@@ -5,9 +5,12 @@
 // Same contract as kernels/reference.py::paged_attention_ref. A work item is
 // (sequence, tile of up to TILE_Q query tokens) with every head, so each block
 // of K/V is streamed from memory once per item and each key is dotted with
-// TILE_Q * group query rows (scores of 16 keys at once in prefill:
-// block_scores). Items are spread over the OpenMP threads of
-// torch's own runtime (the library links the libgomp torch already loaded).
+// TILE_Q * group query rows (cpu_scores.h: 16 keys at once in prefill,
+// one vector per key summed 16 at a time in decode). Blocks that consecutive
+// sequences share at the start of their tables (a cached system prompt,
+// parallel samples) are read once for all of them (cpu_cascade.h), their
+// partial softmax merged into each member's. Items are spread over the OpenMP
+// threads of torch's own runtime (the library links the libgomp torch already loaded).
 //
 // Built by kernels/cpu_build.py with g++ -O3 -march=native -fopenmp; no torch
 // headers, plain pointers through ctypes, so it compiles in about a second.
@@ -16,9 +19,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
+#include <omp.h>
+
+#include "cpu_cascade.h"
 #include "cpu_common.h"
+#include "cpu_scores.h"
 
 namespace {
 
@@ -36,110 +44,87 @@ struct Shape {
   float k_scale, v_scale;  // fp8 pools: stored = value / scale (1 for 16/32-bit pools)
 };
 
-// Block tables jump around the pool, where no hardware prefetcher follows,
-// and one block's K/V are read faster than memory answers a miss: so while
-// block kb is read, token i's slot of block kb + AHEAD is prefetched.
-constexpr int AHEAD = 2;
-
-template <typename T>
-inline void prefetch(const T* p, int64_t count) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < count * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 3);
-}
-
 // Up to this many query rows accumulate in registers at once.
 constexpr int ROW_CHUNK = 4;
 
-// Scores of every row against a block of LANES keys, 16 to a vector: the
-// block's keys of one KV head are transposed to [DT][16] floats once (fp8 and
-// bf16 decoded there), then each row is DT broadcast multiply-adds, no sum
-// reduced across lanes. Four rows at a time share each key vector. Keys past
-// n are zero; scores a row must not see are written too, and the softmax reads
-// only the visible ones.
-template <typename KT, int DT>
-inline void block_scores(const KT* kblk, int n, int64_t tok_stride, int KVH, int per_kv, const float* qs, float* s) {
-  alignas(64) float kt[DT * LANES];
-  for (int kvh = 0; kvh < KVH; ++kvh) {
-    for (int i = 0; i < LANES; ++i) {
-      const KT* kr = kblk + i * tok_stride + kvh * DT;
-      for (int d = 0; d < DT; ++d) kt[d * LANES + i] = i < n ? load(kr + d) : 0.0f;
-    }
-    const int r_end = (kvh + 1) * per_kv;
-    int r = kvh * per_kv;
-    for (; r + 4 <= r_end; r += 4) {
-      vf a[4] = {};
-      for (int d = 0; d < DT; ++d) {
-        const vf kv = loadv(kt + d * LANES);
-        for (int c = 0; c < 4; ++c) a[c] += qs[(r + c) * DT + d] * kv;
-      }
-      for (int c = 0; c < 4; ++c) storev(s + (r + c) * LANES, a[c]);
-    }
-    for (; r < r_end; ++r) {
-      vf a0 = {}, a1 = {};
-      for (int d = 0; d < DT; d += 2) {
-        a0 += qs[r * DT + d] * loadv(kt + d * LANES);
-        a1 += qs[r * DT + d + 1] * loadv(kt + (d + 1) * LANES);
-      }
-      storev(s + r * LANES, a0 + a1);
-    }
-  }
-}
-
-// One work item: a sequence's tile of up to TILE_Q query tokens, every head.
-// Each block of the pool is read once per item, token by token with all KV
-// heads together (they are contiguous in a slot). DT is head_dim when it is a
-// multiple of LANES known at compile time (0: scalar loops over sh.head_dim).
+// The query rows of one item and their online-softmax state, in scratch.
 // Rows are ordered (kv head, token, group member): row r of KV head h is
 // query token t = (r / G) % nq of head h * G + r % G.
-// KT is the pool's element type: T, or an fp8 format dequantized on load; its
-// per-layer scales are folded into the queries (k) and the output (v), so they
-// cost nothing per key.
-template <typename T, typename KT, int DT>
-void run_item(const T* q, const KT* k_cache, const KT* v_cache, const int32_t* table, int seq_len, int q_begin,
-              int q_len, int tile, T* out, const Shape& sh, std::vector<float>& scratch) {
-  const int D = DT > 0 ? DT : sh.head_dim;
-  const int H = sh.num_heads, KVH = sh.num_kv_heads, G = H / KVH, BS = sh.block_size;
-  const int q0 = tile * TILE_Q, nq = std::min(TILE_Q, q_len - q0), rows = nq * H, per_kv = nq * G;
-  const int64_t tok_stride = static_cast<int64_t>(KVH) * D;  // between slots of a block
-  scratch.assign(static_cast<size_t>(rows) * (2 * D + 2 + BS), 0.0f);
-  float* qs = scratch.data();                        // [rows, D] scaled queries
-  float* acc = qs + static_cast<size_t>(rows) * D;   // [rows, D] unnormalised output
-  float* m = acc + static_cast<size_t>(rows) * D;    // [rows] running max
-  float* l = m + rows;                               // [rows] running sum of exp
-  float* s = l + rows;                               // [rows, BS] scores, then weights, of one block
+struct Rows {
+  int nq, rows, per_kv;
+  float* qs;   // [rows, D] scaled queries
+  float* acc;  // [rows, D] unnormalised output
+  float* m;    // [rows] running max
+  float* l;    // [rows] running sum of exp
+  float* s;    // [rows, BS] scores, then weights, of one block
+};
+
+// Rows for query tokens tok0 .. tok0 + nq - 1 of q, every head.
+template <typename T>
+Rows load_rows(const T* q, int tok0, int nq, int D, const Shape& sh, std::vector<float>& scratch) {
+  const int H = sh.num_heads, KVH = sh.num_kv_heads, G = H / KVH, rows = nq * H;
+  scratch.assign(static_cast<size_t>(rows) * (2 * D + 2 + sh.block_size), 0.0f);
+  Rows w{nq, rows, nq * G, scratch.data(), nullptr, nullptr, nullptr, nullptr};
+  w.acc = w.qs + static_cast<size_t>(rows) * D;
+  w.m = w.acc + static_cast<size_t>(rows) * D;
+  w.l = w.m + rows;
+  w.s = w.l + rows;
   for (int kvh = 0; kvh < KVH; ++kvh)
     for (int t = 0; t < nq; ++t)
       for (int g = 0; g < G; ++g) {
         const int r = (kvh * nq + t) * G + g;
-        const T* src = q + static_cast<int64_t>(q_begin + q0 + t) * sh.q_stride + (kvh * G + g) * D;
-        for (int d = 0; d < D; ++d) qs[r * D + d] = load(src + d) * (sh.scale * sh.k_scale);
-        m[r] = -FLT_MAX;
+        const T* src = q + static_cast<int64_t>(tok0 + t) * sh.q_stride + (kvh * G + g) * D;
+        for (int d = 0; d < D; ++d) w.qs[r * D + d] = load(src + d) * (sh.scale * sh.k_scale);
+        w.m[r] = -FLT_MAX;
       }
-  const int first_ctx = seq_len - q_len + q0 + 1;  // keys visible to the tile's first token
-  const int last_ctx = first_ctx + nq - 1;
+  return w;
+}
+
+// Folds blocks kb_begin .. of a block table into the rows' state. Token t
+// sees keys 0 .. first_ctx + t - 1 (causal); keys past last_ctx are not read.
+// Each block of the pool is read once, token by token with all KV heads
+// together (they are contiguous in a slot). DT is head_dim when it is a
+// multiple of LANES known at compile time (0: scalar loops over sh.head_dim).
+// KT is the pool's element type: T, or an fp8 format dequantized on load; its
+// per-layer scales are folded into the queries (k) and the output (v), so they
+// cost nothing per key.
+template <typename KT, int DT>
+void attend(const KT* k_cache, const KT* v_cache, const int32_t* table, int kb_begin, int first_ctx, int last_ctx,
+            Rows& w, const Shape& sh) {
+  const int D = DT > 0 ? DT : sh.head_dim;
+  const int KVH = sh.num_kv_heads, G = sh.num_heads / KVH, BS = sh.block_size;
+  const int nq = w.nq, rows = w.rows, per_kv = w.per_kv;
+  float *qs = w.qs, *acc = w.acc, *m = w.m, *l = w.l, *s = w.s;
+  const int64_t tok_stride = static_cast<int64_t>(KVH) * D;  // between slots of a block
   const int num_blocks = (last_ctx + BS - 1) / BS;
   const int64_t block_elems = static_cast<int64_t>(BS) * tok_stride;
   auto tokens_in = [&](int kb) { return std::min(BS, last_ctx - kb * BS); };
-  for (int kb = 0; kb < std::min(AHEAD, num_blocks); ++kb) {
+  for (int kb = kb_begin; kb < std::min(kb_begin + AHEAD, num_blocks); ++kb) {
     prefetch(k_cache + table[kb] * block_elems, tokens_in(kb) * tok_stride);
     prefetch(v_cache + table[kb] * block_elems, tokens_in(kb) * tok_stride);
   }
-  for (int kb = 0; kb < num_blocks; ++kb) {
+  for (int kb = kb_begin; kb < num_blocks; ++kb) {
     const KT* kblk = k_cache + table[kb] * block_elems;
     const KT* vblk = v_cache + table[kb] * block_elems;
     const int n = tokens_in(kb);
     const int n_ahead = kb + AHEAD < num_blocks ? tokens_in(kb + AHEAD) : 0;
     const KT* k_ahead = n_ahead > 0 ? k_cache + table[kb + AHEAD] * block_elems : nullptr;
     const KT* v_ahead = n_ahead > 0 ? v_cache + table[kb + AHEAD] * block_elems : nullptr;
-    for (int i = 0; i < n_ahead; ++i) {
-      prefetch(k_ahead + i * tok_stride, tok_stride);
-      prefetch(v_ahead + i * tok_stride, tok_stride);
-    }
     if (DT > 0 && BS == LANES && per_kv >= VECTOR_SCORE_ROWS) {  // scores of 16 keys in one vector
+      for (int i = 0; i < n_ahead; ++i) {
+        prefetch(k_ahead + i * tok_stride, tok_stride);
+        prefetch(v_ahead + i * tok_stride, tok_stride);
+      }
       block_scores<KT, (DT > 0 ? DT : LANES)>(kblk, n, tok_stride, KVH, per_kv, qs, s);
+    } else if (DT > 0 && BS == LANES && n == LANES) {  // a full block, few rows
+      block_dots<KT, (DT > 0 ? DT : LANES)>(kblk, tok_stride, KVH, per_kv, qs, s, k_ahead, v_ahead, n_ahead);
     } else {
       // Scores. Key i is visible to token t when kb * BS + i < first_ctx + t (causal).
       for (int i = 0; i < n; ++i) {
+        if (i < n_ahead) {  // spread between the keys: a burst of prefetches stalls on the miss buffers
+          prefetch(k_ahead + i * tok_stride, tok_stride);
+          prefetch(v_ahead + i * tok_stride, tok_stride);
+        }
         const int t_min = std::max(0, kb * BS + i - first_ctx + 1);
         for (int kvh = 0; kvh < KVH; ++kvh) {
           const KT* kr = kblk + i * tok_stride + kvh * D;
@@ -221,36 +206,102 @@ void run_item(const T* q, const KT* k_cache, const KT* v_cache, const int32_t* t
         }
       }
   }
+}
+
+// Folds a partial state (acc, m, l of rows in another order) into w's: the
+// two halves of one softmax over disjoint keys. row_of maps w's row to the
+// partial's.
+template <typename RowOf>
+void merge(Rows& w, const float* p_acc, const float* p_m, const float* p_l, int D, RowOf row_of) {
+  for (int r = 0; r < w.rows; ++r) {
+    const int pr = row_of(r);
+    const float mx = std::max(w.m[r], p_m[pr]);
+    const float a = exp_nonpositive(w.m[r] - mx), b = exp_nonpositive(p_m[pr] - mx);
+    float* ar = w.acc + static_cast<size_t>(r) * D;
+    const float* pa = p_acc + static_cast<size_t>(pr) * D;
+#pragma omp simd
+    for (int d = 0; d < D; ++d) ar[d] = ar[d] * a + pa[d] * b;
+    w.l[r] = w.l[r] * a + p_l[pr] * b;
+    w.m[r] = mx;
+  }
+}
+
+// Normalised output of the rows, to tokens tok0 .. of out.
+template <typename T>
+void store_rows(const Rows& w, int tok0, int D, T* out, const Shape& sh) {
+  const int H = sh.num_heads, KVH = sh.num_kv_heads, G = H / KVH;
   for (int kvh = 0; kvh < KVH; ++kvh)
-    for (int t = 0; t < nq; ++t)
+    for (int t = 0; t < w.nq; ++t)
       for (int g = 0; g < G; ++g) {
-        const int r = (kvh * nq + t) * G + g;
-        T* dst = out + (static_cast<int64_t>(q_begin + q0 + t) * H + kvh * G + g) * D;
-        const float inv = sh.v_scale / l[r];
-        for (int d = 0; d < D; ++d) store(dst + d, acc[r * D + d] * inv);
+        const int r = (kvh * w.nq + t) * G + g;
+        T* dst = out + (static_cast<int64_t>(tok0 + t) * H + kvh * G + g) * D;
+        const float inv = sh.v_scale / w.l[r];
+        for (int d = 0; d < D; ++d) store(dst + d, w.acc[r * D + d] * inv);
       }
+}
+
+// Item index -> (owner, index within it), from prefix sums of items per owner.
+inline std::pair<int, int64_t> locate(const std::vector<int64_t>& first, int64_t w) {
+  const int o = static_cast<int>(std::upper_bound(first.begin(), first.end(), w) - first.begin()) - 1;
+  return {o, w - first[o]};
 }
 
 template <typename T, typename KT, int DT>
 void paged_attention(const T* q, const KT* k_cache, const KT* v_cache, const int32_t* block_tables,
-                     const int32_t* seq_lens, const int32_t* query_start_loc, T* out, int num_seqs, const Shape& sh) {
-  // Item index -> (seq, tile): prefix sums of tiles per sequence.
-  std::vector<int64_t> first(num_seqs + 1, 0);
-  for (int i = 0; i < num_seqs; ++i) {
-    const int q_len = query_start_loc[i + 1] - query_start_loc[i];
-    first[i + 1] = first[i] + (q_len + TILE_Q - 1) / TILE_Q;
+                     const int32_t* seq_lens, const int32_t* qsl, T* out, int num_seqs, const Shape& sh) {
+  const int D = DT > 0 ? DT : sh.head_dim, H = sh.num_heads, G = H / sh.num_kv_heads;
+  std::vector<Group> groups = find_groups(block_tables, sh.table_stride, seq_lens, qsl, num_seqs, sh.block_size, TILE_Q);
+  std::vector<const Group*> group_of(num_seqs, nullptr);
+  std::vector<int64_t> pfirst(groups.size() + 1, 0);  // prefix items
+  const int per_group = (2 * omp_get_max_threads() + static_cast<int>(groups.size()) - 1) /
+                        std::max<int>(1, static_cast<int>(groups.size()));
+  size_t part_size = 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    Group& g = groups[gi];
+    g.chunks = std::max(1, std::min(per_group, g.shared / MIN_SHARED_BLOCKS));
+    g.part = part_size;
+    part_size += static_cast<size_t>(g.chunks) * (qsl[g.seq_end] - qsl[g.seq_begin]) * H * (D + 2);
+    pfirst[gi + 1] = pfirst[gi] + g.chunks;
+    for (int s = g.seq_begin; s < g.seq_end; ++s) group_of[s] = &g;
   }
-  const int64_t total = first[num_seqs];
+  std::vector<float> parts(part_size);
+  std::vector<int64_t> first(num_seqs + 1, 0);  // tiles of each sequence
+  for (int i = 0; i < num_seqs; ++i) first[i + 1] = first[i] + (qsl[i + 1] - qsl[i] + TILE_Q - 1) / TILE_Q;
 #pragma omp parallel
   {
     std::vector<float> scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < total; ++w) {
-      const int seq = static_cast<int>(std::upper_bound(first.begin(), first.end(), w) - first.begin()) - 1;
-      const int tile = static_cast<int>(w - first[seq]);
-      const int q_begin = query_start_loc[seq], q_len = query_start_loc[seq + 1] - q_begin;
-      run_item<T, KT, DT>(q, k_cache, v_cache, block_tables + static_cast<int64_t>(seq) * sh.table_stride, seq_lens[seq],
-                      q_begin, q_len, tile, out, sh, scratch);
+    for (int64_t w = 0; w < pfirst.back(); ++w) {  // chunks of shared blocks, every member's rows
+      const auto [gi, c] = locate(pfirst, w);
+      const Group& g = groups[gi];
+      const int kb0 = static_cast<int>(c * g.shared / g.chunks), kb1 = static_cast<int>((c + 1) * g.shared / g.chunks);
+      const int tok0 = qsl[g.seq_begin];
+      Rows rw = load_rows(q, tok0, qsl[g.seq_end] - tok0, D, sh, scratch);
+      const int32_t* table = block_tables + static_cast<int64_t>(g.seq_begin) * sh.table_stride;
+      attend<KT, DT>(k_cache, v_cache, table, kb0, kb1 * sh.block_size, kb1 * sh.block_size, rw, sh);
+      float* dst = parts.data() + g.part + static_cast<size_t>(c) * rw.rows * (D + 2);
+      std::copy(rw.acc, rw.acc + static_cast<size_t>(rw.rows) * D, dst);
+      std::copy(rw.m, rw.m + 2 * rw.rows, dst + static_cast<size_t>(rw.rows) * D);  // m, then l
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < first.back(); ++w) {  // tiles of every sequence, past its group's shared blocks
+      const auto [seq, tile] = locate(first, w);
+      const int q_begin = qsl[seq], q_len = qsl[seq + 1] - q_begin;
+      const int q0 = static_cast<int>(tile) * TILE_Q, nq = std::min(TILE_Q, q_len - q0);
+      const int first_ctx = seq_lens[seq] - q_len + q0 + 1;  // keys visible to the tile's first token
+      const Group* g = group_of[seq];
+      Rows rw = load_rows(q, q_begin + q0, nq, D, sh, scratch);
+      attend<KT, DT>(k_cache, v_cache, block_tables + static_cast<int64_t>(seq) * sh.table_stride,
+                     g != nullptr ? g->shared : 0, first_ctx, first_ctx + nq - 1, rw, sh);
+      if (g != nullptr) {
+        const int nt = qsl[g->seq_end] - qsl[g->seq_begin], off = q_begin - qsl[g->seq_begin], prows = nt * H;
+        auto row_of = [&](int r) { return ((r / (nq * G)) * nt + off + (r / G) % nq) * G + r % G; };
+        for (int c = 0; c < g->chunks; ++c) {
+          const float* p = parts.data() + g->part + static_cast<size_t>(c) * prows * (D + 2);
+          merge(rw, p, p + static_cast<size_t>(prows) * D, p + static_cast<size_t>(prows) * D + prows, D, row_of);
+        }
+      }
+      store_rows(rw, q_begin + q0, D, out, sh);
     }
   }
 }
@@ -303,6 +354,22 @@ int pagedserve_paged_attention(int dtype, int kv_dtype, const void* q, const voi
     return dispatch_kv(kv_dtype, static_cast<const uint16_t*>(q), k_cache, v_cache, block_tables, seq_lens,
                        query_start_loc, static_cast<uint16_t*>(out), num_seqs, sh);
   return 2;
+}
+
+// The groups of the shared-prefix path for a batch (tests check them): up to
+// max_groups (first sequence, end, shared blocks) triples into out; returns
+// how many there are.
+int pagedserve_cascade_groups(const int32_t* block_tables, int table_stride, const int32_t* seq_lens,
+                              const int32_t* query_start_loc, int num_seqs, int block_size, int32_t* out,
+                              int max_groups) {
+  const std::vector<Group> groups =
+      find_groups(block_tables, table_stride, seq_lens, query_start_loc, num_seqs, block_size, TILE_Q);
+  for (int i = 0; i < std::min<int>(max_groups, static_cast<int>(groups.size())); ++i) {
+    out[3 * i] = groups[i].seq_begin;
+    out[3 * i + 1] = groups[i].seq_end;
+    out[3 * i + 2] = groups[i].shared;
+  }
+  return static_cast<int>(groups.size());
 }
 
 }  // extern "C"

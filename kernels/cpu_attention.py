@@ -87,6 +87,22 @@ def paged_attention_cpu(
     return result
 
 
+def cascade_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                   block_size: int) -> list[tuple[int, int, int]]:
+    """The compiled kernel's shared-prefix groups for a batch: (first sequence,
+    end, shared leading blocks) each, read once for the whole group."""
+    lib = cpu_build.load()
+    if lib is None:
+        raise RuntimeError("the compiled CPU kernel is not available")
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    qsl = query_start_loc.to(torch.int32).contiguous()
+    out = torch.empty(3 * max(1, lens.numel()), dtype=torch.int32)
+    n = lib.pagedserve_cascade_groups(tables.data_ptr(), tables.shape[1], lens.data_ptr(), qsl.data_ptr(),
+                                      lens.numel(), block_size, out.data_ptr(), lens.numel())
+    return [tuple(out[3 * i:3 * i + 3].tolist()) for i in range(n)]
+
+
 def paged_attention_sdpa(
     q: torch.Tensor,
     k_cache: torch.Tensor,

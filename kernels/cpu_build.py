@@ -26,7 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_attention.cpp", HERE / "cpu_ops.cpp", HERE / "cpu_linear.cpp")
-HEADERS = (HERE / "cpu_common.h",)
+HEADERS = (HERE / "cpu_common.h", HERE / "cpu_scores.h", HERE / "cpu_cascade.h")
 # Compiled with fast math (vectorised expf, reassociated sums) but linked
 # without it: a -ffast-math link adds crtfastmath, whose constructor turns on
 # flush-to-zero for the whole process (hypothesis caught that).
@@ -110,6 +110,7 @@ def load() -> ctypes.CDLL | None:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     signatures = {
         "pagedserve_paged_attention": [i32, i32, *[ptr] * 7, *[i32] * 6, i64, f32, ptr, ptr],
+        "pagedserve_cascade_groups": [ptr, i32, ptr, ptr, i32, i32, ptr, i32],
         "pagedserve_add_rms_norm": [i32, ptr, ptr, ptr, ptr, i32, i32, f32],
         "pagedserve_rope_and_cache": [i32, i32, ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr],
         "pagedserve_silu_and_mul": [i32, ptr, ptr, i32, i32],
