@@ -52,6 +52,12 @@ def test_bench_peers_ci_size(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     png = out_dir / "bench-peers.png"
     assert res["chart"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out_dir / "bench-peers.json").read_text())["workloads"].keys() == {"alpaca", "sharegpt"}
+    # Each pagedserve server's log is kept, every timed run marked where it began.
+    for e in ("pagedserve", "pagedserve-async"):
+        log = (out_dir / f"{e}-server.log").read_text()
+        marks = [ln for ln in log.splitlines() if ln.startswith("=== bench peers: run ")]
+        assert [m.split(": ", 2)[2] for m in marks] == ["alpaca", "sharegpt"] * 3, marks
+        assert "serving" in log.lower()
 
 
 def test_greedy_agreement_reports_first_divergence() -> None:

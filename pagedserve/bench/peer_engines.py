@@ -107,6 +107,8 @@ class PagedserveEngine:
         self.server: ServeProc | None = None
         self.addr = ""
         self.idle_gaps = ""  # the worker's summary of its idle time between steps, after close
+        self.log_path: Path | None = None  # where close() writes the server's log, runs marked
+        self._marks: list[tuple[int, str]] = []  # (log lines before a run, which run)
 
     def start(self) -> None:
         self.server = start_serve(self.serve_args, self.model)
@@ -143,6 +145,8 @@ class PagedserveEngine:
     def run(self, workload: str) -> RunResult:
         work = self.workloads[workload]
         self._settle()  # not timed
+        assert self.server is not None
+        self._marks.append((len(self.server.log), f"run {len(self._marks) + 1}: {workload}"))
         t0 = time.perf_counter()
         out = asyncio.run(self._generate(work))
         dt = time.perf_counter() - t0
@@ -158,6 +162,29 @@ class PagedserveEngine:
                 if "idle between consecutive steps" in line:
                     self.idle_gaps = line.strip().split(": ", 1)[-1]
                     print(f"bench peers: {self.name}: {line.strip()}", flush=True)
+            if self.log_path is not None:
+                self._write_log(self.log_path)
+
+    def _write_log(self, path: Path) -> None:
+        """The server's log with a line where each timed run began: its prefix-cache
+        hit rate, preemptions and any recovery explain a slow round."""
+        assert self.server is not None
+        lines = list(self.server.log)
+        out: list[str] = []
+        marks = iter(self._marks)
+        mark = next(marks, None)
+        for i in range(len(lines) + 1):
+            while mark is not None and mark[0] <= i:  # several runs may begin between two lines
+                out.append(f"=== bench peers: {mark[1]}\n")
+                mark = next(marks, None)
+            if i < len(lines):
+                out.append(lines[i].rstrip("\n") + "\n")
+        text = "".join(out)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as e:
+            print(f"bench peers: {path} not written: {e}")
 
 
 class HFEngine:

@@ -196,6 +196,8 @@ def main(argv: list[str]) -> int:
                 print(f"bench peers: vLLM skipped: {skipped['vllm']}")
                 continue
             engines[e] = eng
+            if isinstance(eng, PagedserveEngine):
+                eng.log_path = Path(args.out) / f"{e}-server.log"
         names = [e for e in names if e in engines]
         times = {w: {e: [] for e in names} for w in wls}
         outputs: dict[str, dict[str, list[list[list[int]]]]] = {w: {e: [] for e in names} for w in wls}
