@@ -3,6 +3,7 @@
 // a time for a few (decode), and the software prefetch of blocks ahead.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_common.h"
 
@@ -83,8 +84,22 @@ template <typename KT, int DT>
 inline void block_dots(const KT* kblk, int64_t tok_stride, int KVH, int per_kv, const float* qs, float* s,
                        const KT* k_ahead, const KT* v_ahead, int n_ahead) {
   constexpr int NV = DT / LANES;
+  constexpr bool DECODE = !std::is_same_v<KT, float>;
+  // bf16 and fp8 keys are decoded once per KV head, not once per row.
+  alignas(64) float kf[DECODE ? LANES * DT : 1];
   const int rows = KVH * per_kv;
-  for (int kvh = 0; kvh < KVH; ++kvh)
+  for (int kvh = 0; kvh < KVH; ++kvh) {
+    const float* kbase;
+    int64_t kstride;
+    if constexpr (DECODE) {
+      for (int i = 0; i < LANES; ++i)
+        for (int j = 0; j < NV; ++j) storev(kf + i * DT + j * LANES, loadv(kblk + i * tok_stride + kvh * DT + j * LANES));
+      kbase = kf;
+      kstride = DT;
+    } else {
+      kbase = kblk + kvh * DT;
+      kstride = tok_stride;
+    }
     for (int r = kvh * per_kv; r < (kvh + 1) * per_kv; ++r) {
       for (int i = r * n_ahead / rows; i < (r + 1) * n_ahead / rows; ++i) {
         prefetch(k_ahead + i * tok_stride, tok_stride);
@@ -94,12 +109,13 @@ inline void block_dots(const KT* kblk, int64_t tok_stride, int KVH, int per_kv, 
       for (int j = 0; j < NV; ++j) qv[j] = loadv(qs + r * DT + j * LANES);
       vf a[LANES];
       for (int i = 0; i < LANES; ++i) {
-        const KT* kr = kblk + i * tok_stride + kvh * DT;
+        const float* kr = kbase + i * kstride;
         a[i] = qv[0] * loadv(kr);
         for (int j = 1; j < NV; ++j) a[i] += qv[j] * loadv(kr + j * LANES);
       }
       storev(s + r * LANES, sum16(a));
     }
+  }
 }
 
 }  // namespace pagedserve_cpu
