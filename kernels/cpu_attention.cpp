@@ -111,20 +111,15 @@ void attend(const KT* k_cache, const KT* v_cache, const int32_t* table, int kb_b
     const KT* k_ahead = n_ahead > 0 ? k_cache + table[kb + AHEAD] * block_elems : nullptr;
     const KT* v_ahead = n_ahead > 0 ? v_cache + table[kb + AHEAD] * block_elems : nullptr;
     if (DT > 0 && BS == LANES && per_kv >= VECTOR_SCORE_ROWS) {  // scores of 16 keys in one vector
-      for (int i = 0; i < n_ahead; ++i) {
-        prefetch(k_ahead + i * tok_stride, tok_stride);
-        prefetch(v_ahead + i * tok_stride, tok_stride);
-      }
+      prefetch_slots(k_ahead, v_ahead, 0, n_ahead, tok_stride);
       block_scores<KT, (DT > 0 ? DT : LANES)>(kblk, n, tok_stride, KVH, per_kv, qs, s);
     } else if (DT > 0 && BS == LANES && n == LANES) {  // a full block, few rows
       block_dots<KT, (DT > 0 ? DT : LANES)>(kblk, tok_stride, KVH, per_kv, qs, s, k_ahead, v_ahead, n_ahead);
     } else {
       // Scores. Key i is visible to token t when kb * BS + i < first_ctx + t (causal).
       for (int i = 0; i < n; ++i) {
-        if (i < n_ahead) {  // spread between the keys: a burst of prefetches stalls on the miss buffers
-          prefetch(k_ahead + i * tok_stride, tok_stride);
-          prefetch(v_ahead + i * tok_stride, tok_stride);
-        }
+        // Spread between the keys: a burst of prefetches stalls on the miss buffers.
+        prefetch_slots(k_ahead, v_ahead, i, std::min(i + 1, n_ahead), tok_stride);
         const int t_min = std::max(0, kb * BS + i - first_ctx + 1);
         for (int kvh = 0; kvh < KVH; ++kvh) {
           const KT* kr = kblk + i * tok_stride + kvh * D;

@@ -44,6 +44,11 @@ def scale_ptr(scale: torch.Tensor | None) -> int:
     return scale.data_ptr()
 
 
+def _int32(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Block tables, lengths and offsets as the library reads them: contiguous int32."""
+    return tuple(t.to(torch.int32).contiguous() for t in tensors)
+
+
 def paged_attention_cpu(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -65,9 +70,7 @@ def paged_attention_cpu(
                                     k_scale=k_scale, v_scale=v_scale)
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()  # a token's heads must be one row; tokens may be strided (views into fused QKV)
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    qsl = query_start_loc.to(torch.int32).contiguous()
+    tables, lens, qsl = _int32(block_tables, seq_lens, query_start_loc)
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV pool must be contiguous")
     if out is None or not out.is_contiguous():
@@ -94,9 +97,7 @@ def cascade_groups(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
     lib = cpu_build.load()
     if lib is None:
         raise RuntimeError("the compiled CPU kernel is not available")
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    qsl = query_start_loc.to(torch.int32).contiguous()
+    tables, lens, qsl = _int32(block_tables, seq_lens, query_start_loc)
     out = torch.empty(3 * max(1, lens.numel()), dtype=torch.int32)
     n = lib.pagedserve_cascade_groups(tables.data_ptr(), tables.shape[1], lens.data_ptr(), qsl.data_ptr(),
                                       lens.numel(), block_size, out.data_ptr(), lens.numel())

@@ -36,6 +36,18 @@ FLAGS = COMPILE + LINK
 ENV = "CPU_KERNEL"  # PAGEDSERVE_CPU_KERNEL=0: never build or use the compiled kernel (read by the worker)
 DISABLE_ENV = "PAGEDSERVE_" + ENV
 
+_ptr, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# ctypes argument types of every entry point (the scripts that load an older build reuse them).
+SIGNATURES = {
+    "pagedserve_paged_attention": [_i32, _i32, *[_ptr] * 7, *[_i32] * 6, _i64, _f32, _ptr, _ptr],
+    "pagedserve_cascade_groups": [_ptr, _i32, _ptr, _ptr, _i32, _i32, _ptr, _i32],
+    "pagedserve_add_rms_norm": [_i32, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _f32],
+    "pagedserve_rope_and_cache": [_i32, _i32, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+    "pagedserve_silu_and_mul": [_i32, _ptr, _ptr, _i32, _i32],
+    "pagedserve_linear_pack": [_i32, _ptr, _ptr, _i64, _i64],
+    "pagedserve_linear": [_i32, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+}
+
 # Until configured (kernels used directly, outside a worker): on, in the default cache's folder.
 _cache_dir: Path = Path.home() / ".cache" / "pagedserve" / "kernels"
 _enabled: bool = True
@@ -107,17 +119,7 @@ def load() -> ctypes.CDLL | None:
     import torch  # noqa: F401 - torch's libgomp must be loaded first, so the kernel shares its threads
 
     dll = ctypes.CDLL(str(lib))
-    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    signatures = {
-        "pagedserve_paged_attention": [i32, i32, *[ptr] * 7, *[i32] * 6, i64, f32, ptr, ptr],
-        "pagedserve_cascade_groups": [ptr, i32, ptr, ptr, i32, i32, ptr, i32],
-        "pagedserve_add_rms_norm": [i32, ptr, ptr, ptr, ptr, i32, i32, f32],
-        "pagedserve_rope_and_cache": [i32, i32, ptr, i64, i32, i32, i32, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr],
-        "pagedserve_silu_and_mul": [i32, ptr, ptr, i32, i32],
-        "pagedserve_linear_pack": [i32, ptr, ptr, i64, i64],
-        "pagedserve_linear": [i32, ptr, ptr, ptr, ptr, i64, i64, i64],
-    }
-    for name, argtypes in signatures.items():
+    for name, argtypes in SIGNATURES.items():
         fn = getattr(dll, name)
         fn.restype = ctypes.c_int
         fn.argtypes = argtypes

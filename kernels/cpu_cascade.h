@@ -49,7 +49,7 @@ inline std::vector<Group> find_groups(const int32_t* tables, int table_stride, c
       tokens += q_len;
     }
     if (j - i >= 2) groups.push_back({i, j, shared, 1, 0});
-    i = std::max(j, i + 1);
+    i = j;
   }
   return groups;
 }

@@ -22,6 +22,15 @@ inline void prefetch(const T* p, int64_t count) {
   for (int64_t off = 0; off < count * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 1);
 }
 
+// Slots from .. to - 1 of the K and V blocks ahead (nothing when those are null: no block ahead).
+template <typename KT>
+inline void prefetch_slots(const KT* k_ahead, const KT* v_ahead, int from, int to, int64_t tok_stride) {
+  for (int i = from; i < to; ++i) {
+    prefetch(k_ahead + i * tok_stride, tok_stride);
+    prefetch(v_ahead + i * tok_stride, tok_stride);
+  }
+}
+
 // Scores of every row against a block of LANES keys, 16 to a vector: the
 // block's keys of one KV head are transposed to [DT][16] floats once (fp8 and
 // bf16 decoded there), then each row is DT broadcast multiply-adds, no sum
@@ -101,10 +110,7 @@ inline void block_dots(const KT* kblk, int64_t tok_stride, int KVH, int per_kv, 
       kstride = tok_stride;
     }
     for (int r = kvh * per_kv; r < (kvh + 1) * per_kv; ++r) {
-      for (int i = r * n_ahead / rows; i < (r + 1) * n_ahead / rows; ++i) {
-        prefetch(k_ahead + i * tok_stride, tok_stride);
-        prefetch(v_ahead + i * tok_stride, tok_stride);
-      }
+      prefetch_slots(k_ahead, v_ahead, r * n_ahead / rows, (r + 1) * n_ahead / rows, tok_stride);
       vf qv[NV];
       for (int j = 0; j < NV; ++j) qv[j] = loadv(qs + r * DT + j * LANES);
       vf a[LANES];

@@ -37,10 +37,8 @@ def build_old(rev: str, folder: Path) -> ctypes.CDLL:
     obj, lib = folder / "a.o", folder / "libold.so"
     subprocess.run([cxx, *cpu_build.COMPILE, str(folder / "cpu_attention.cpp"), "-o", str(obj)], check=True)
     subprocess.run([cxx, str(obj), *cpu_build.LINK, "-o", str(lib)], check=True)
-    import torch as _  # noqa: F401 - torch's libgomp first, as cpu_build does
-    dll = ctypes.CDLL(str(lib))
-    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    dll.pagedserve_paged_attention.argtypes = [i32, i32, *[ptr] * 7, *[i32] * 6, i64, f32, ptr, ptr]
+    dll = ctypes.CDLL(str(lib))  # after torch (imported above): its libgomp first, as cpu_build does
+    dll.pagedserve_paged_attention.argtypes = cpu_build.SIGNATURES["pagedserve_paged_attention"]
     dll.pagedserve_paged_attention.restype = ctypes.c_int
     return dll
 
