@@ -44,6 +44,7 @@ SIGNATURES = {
     "pagedserve_add_rms_norm": [_i32, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _f32],
     "pagedserve_rope_and_cache": [_i32, _i32, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
     "pagedserve_silu_and_mul": [_i32, _ptr, _ptr, _i32, _i32],
+    "pagedserve_linear_group": [],
     "pagedserve_linear_pack": [_i32, _ptr, _ptr, _i64, _i64],
     "pagedserve_linear": [_i32, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
 }

@@ -1,14 +1,15 @@
 // Linear layers on CPU: y[m, n] = x[m, :] . w[n, :] (+ bias[n]) over a weight
-// packed once at load into panels of 16 output features: panel p holds
-// w[16p .. 16p + 16, k] for every k, 16 features side by side (bf16: pairs of
-// k interleaved, [K/2][16][2], the layout vdpbf16ps reads). A tile keeps
-// MT rows of x against P panels in MT * P vector accumulators: each weight
-// vector is loaded once per tile and meets MT broadcast x values, so no sum
-// is ever reduced across lanes, and each panel is one sequential stream.
-// On the 2-core EPYC (SmolLM2's layer shapes) this ran 1.1-2x faster than
-// oneDNN's packed GEMM at 1-128 rows, and level at 512-2048 (docs/gpuworker.md,
-// "Linear layers"); it replaces oneDNN's copy, so the weights are held twice,
-// as before.
+// packed once at load into panels of 16 output features. A tile keeps MT rows
+// of x against P panels in MT * P vector accumulators: each weight vector is
+// loaded once per tile and meets MT broadcast x values, so no sum is ever
+// reduced across lanes. Each group of P panels is stored interleaved per k,
+// [K][P][16] (bf16: k pairs side by side, [K/2][P][16][2], the layout
+// vdpbf16ps reads), so a tile reads one sequential stream; the panels after
+// the last whole group are [K][16] each. One stream instead of P per tile,
+// with an L2 prefetch 8 KB ahead, made the SmolLM2 linears 1.2-1.6x faster at
+// 1-16 rows (weight bandwidth 19-22 -> 24-27 GB/s on the 2-core EPYC) and
+// 1.1x at 64 (docs/gpuworker.md, "Linear layers"). It replaces oneDNN's copy,
+// so the weights are held twice, as before.
 #include <omp.h>
 
 #include "cpu_common.h"
@@ -22,17 +23,17 @@ constexpr int P = 3, MT = 8;  // 24 accumulators + 3 weights + 1 broadcast of 32
 #else
 constexpr int P = 1, MT = 6;  // a vf is two ymm registers here: 12 accumulators of 16
 #endif
-constexpr int PREFETCH_BYTES = 512;  // ahead in each panel's stream
+constexpr int PREFETCH_BYTES = 8192;  // ahead in a tile's stream, into L2 (512 B into L1 was slower)
 
-// fp32 panels: [K][16].
+// fp32: PP panels interleaved, [K][PP][16].
 template <int M, int PP>
 inline void tile(const float* x, int64_t K, const float* wp, vf (&acc)[MT][P]) {
-  const int64_t ps = K * LANES;
   for (int64_t k = 0; k < K; ++k) {
+    const float* wk = wp + k * PP * LANES;  // the PP panels' vectors of this k, side by side
     vf w[PP];
     for (int p = 0; p < PP; ++p) {
-      w[p] = loadv(wp + p * ps + k * LANES);
-      if ((k & 3) == 0) __builtin_prefetch(reinterpret_cast<const char*>(wp + p * ps + k * LANES) + PREFETCH_BYTES);
+      w[p] = loadv(wk + p * LANES);
+      __builtin_prefetch(reinterpret_cast<const char*>(wk + p * LANES) + PREFETCH_BYTES, 0, 2);
     }
     for (int m = 0; m < M; ++m) {
       const float xv = x[m * K + k];
@@ -41,16 +42,16 @@ inline void tile(const float* x, int64_t K, const float* wp, vf (&acc)[MT][P]) {
   }
 }
 
-// bf16 panels: [K/2][16][2]; K even.
+// bf16: PP panels interleaved, [K/2][PP][16][2]; K even.
 template <int M, int PP>
 inline void tile(const uint16_t* x, int64_t K, const uint16_t* wp, vf (&acc)[MT][P]) {
-  const int64_t ps = K * LANES;
   for (int64_t k = 0; k < K; k += 2) {
+    const uint16_t* wk = wp + k * PP * LANES;  // the PP panels' pairs of k, k + 1, side by side
 #if defined(__AVX512BF16__)
     __m512bh w[PP];
     for (int p = 0; p < PP; ++p) {
-      w[p] = (__m512bh)_mm512_loadu_si512(wp + p * ps + k * LANES);
-      if ((k & 7) == 0) __builtin_prefetch(reinterpret_cast<const char*>(wp + p * ps + k * LANES) + PREFETCH_BYTES);
+      w[p] = (__m512bh)_mm512_loadu_si512(wk + p * 2 * LANES);
+      __builtin_prefetch(reinterpret_cast<const char*>(wk + p * 2 * LANES) + PREFETCH_BYTES, 0, 2);
     }
     for (int m = 0; m < M; ++m) {
       uint32_t pair;
@@ -67,7 +68,7 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* wp, vf (&acc)[MT]
     vf even[PP], odd[PP];  // a 32-bit pair holds w[n, k] in its low half, w[n, k + 1] in its high half
     for (int p = 0; p < PP; ++p) {
       vu u;
-      std::memcpy(&u, wp + p * ps + k * LANES, sizeof u);
+      std::memcpy(&u, wk + p * 2 * LANES, sizeof u);
       const vu lo = u << 16, hi = u & 0xFFFF0000u;
       std::memcpy(&even[p], &lo, sizeof lo);
       std::memcpy(&odd[p], &hi, sizeof hi);
@@ -133,14 +134,18 @@ template <typename T>
 void pack(const T* w, T* packed, int64_t N, int64_t K) {
   const int64_t panels = (N + LANES - 1) / LANES;
   constexpr int pair = std::is_same_v<T, uint16_t> ? 2 : 1;
+  const int64_t grouped = panels / P * P;
 #pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p)
+  for (int64_t p = 0; p < panels; ++p) {
+    // A group of P panels interleaves them per k (one stream); the rest are [K][16] each.
+    const int64_t pp = p < grouped ? P : 1, base = (p - p % pp) * K * LANES, slot = p % pp;
     for (int64_t k0 = 0; k0 < K; k0 += pair)
       for (int j = 0; j < LANES; ++j)
         for (int i = 0; i < pair; ++i) {
           const int64_t n = p * LANES + j;
-          packed[p * K * LANES + k0 * LANES + j * pair + i] = n < N ? w[n * K + k0 + i] : T{};
+          packed[base + k0 * pp * LANES + slot * pair * LANES + j * pair + i] = n < N ? w[n * K + k0 + i] : T{};
         }
+  }
 }
 
 bool bad(int dtype, int64_t N, int64_t K) { return N <= 0 || K <= 0 || (dtype == 1 && K % 2 != 0); }
@@ -148,6 +153,9 @@ bool bad(int dtype, int64_t N, int64_t K) { return N <= 0 || K <= 0 || (dtype ==
 }  // namespace
 
 extern "C" {
+
+// Panels per interleaved group of the packed layout (P).
+int pagedserve_linear_group() { return P; }
 
 // dtype: 0 float32, 1 bfloat16. w [N, K] contiguous; packed holds ceil(N / 16) * 16 * K elements.
 // K even for bf16. Returns 0, or a positive code for bad arguments.

@@ -81,9 +81,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
 PANEL = 16  # output features per panel (cpu_linear.cpp's LANES)
 
 
+def linear_group() -> int:
+    """Panels per interleaved group in ``pack_linear``'s layout (3 with AVX-512, else 1)."""
+    return int(cpu_build.load().pagedserve_linear_group())
+
+
 def pack_linear(weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` [N, K] in ``cpu_linear.cpp``'s panels: [ceil(N / 16) * 16, K]
-    elements of its dtype (features past N zero), for ``packed_linear``."""
+    elements of its dtype (features past N zero), for ``packed_linear``. Each
+    whole group of ``linear_group()`` panels is interleaved per k, [K][group][16]
+    (bf16 [K/2][group][16][2]); the panels after the last group are [K][16]."""
     code = _code(weight)
     if code is None or weight.dim() != 2 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 != 0):
         return None

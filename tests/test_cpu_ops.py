@@ -4,6 +4,8 @@ embedding with the K/V cache write (strided q/k/v rows of a fused
 projection, padding slots skipped), and SiLU(gate) * up."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -165,13 +167,25 @@ def test_packed_linear_equals_a_float64_matmul(dtype: torch.dtype, tol: float, r
 
 
 def test_pack_linear_lays_out_panels_of_16_features() -> None:
-    """fp32: panel p is w[16p : 16p + 16].T ([K][16]), zero past N; bf16: k pairs
-    side by side ([K/2][16][2]), the layout vdpbf16ps reads."""
-    w = torch.arange(20 * 4, dtype=torch.float32).view(20, 4)
-    p = cpu_ops.pack_linear(w).view(2, 4, 16)
-    assert torch.equal(p[0], w[:16].T) and torch.equal(p[1, :, :4], w[16:].T) and not p[1, :, 4:].any()
-    b = cpu_ops.pack_linear(w.bfloat16()).view(2, 2, 16, 2)
-    assert torch.equal(b[0, 1, 3], w[3, 2:4].bfloat16())  # feature 3, k = 2 and 3
+    """Panel p holds w[16p : 16p + 16] side by side per k, zero past N; a whole
+    group of 3 panels (AVX-512) is interleaved per k, [K][3][16], so a tile reads
+    one stream; the panel after it is [K][16]. bf16: k pairs side by side."""
+    avx512 = "avx512f" in Path("/proc/cpuinfo").read_text().split()
+    assert cpu_ops.linear_group() == (3 if avx512 else 1)
+    g = cpu_ops.linear_group()
+    w = torch.arange(56 * 4, dtype=torch.float32).view(56, 4)  # 4 panels, the last with 8 features
+    p = cpu_ops.pack_linear(w).flatten()
+    group = p[:g * 16 * 4].view(4, g, 16)  # [K][g][16]
+    for j in range(g):
+        assert torch.equal(group[:, j], w[16 * j:16 * j + 16].T), j
+    rest = p[g * 16 * 4:].view(4 - g, 4, 16)  # the panels after the group: [K][16] each
+    assert torch.equal(rest[-1, :, :8], w[48:].T) and not rest[-1, :, 8:].any()
+    if g == 3:
+        assert p[1 * 48 + 2 * 16 + 5].item() == w[37, 1].item()  # k = 1, third panel, feature 32 + 5
+    b = cpu_ops.pack_linear(w.bfloat16()).flatten()
+    pairs = b[:g * 16 * 4].view(2, g, 16, 2)  # [K/2][g][16][2]
+    assert torch.equal(pairs[1, g - 1, 3], w[16 * (g - 1) + 3, 2:4].bfloat16())  # k = 2 and 3
+    assert torch.equal(b[g * 16 * 4:].view(4 - g, 2, 16, 2)[-1, 0, 7], w[55, 0:2].bfloat16())
 
 
 def test_packed_linear_declines_what_it_does_not_take() -> None:
