@@ -60,6 +60,33 @@ def test_bench_peers_ci_size(tmp_path: Path, capsys: pytest.CaptureFixture[str])
         assert "serving" in log.lower()
 
 
+def test_bench_peers_text_path_detokenizes_in_every_engine(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """--text (issue 23, acceptance 1's text path): pagedserve's frontend and
+    transformers' batch_decode each detokenize in the timed run, and the texts of
+    requests whose ids agree are identical."""
+    model = make_tiny_model(tmp_path, "llama", seed=0)
+    assert peers.main(["--model", model, "--engines", "pagedserve,hf,vllm", "--requests", "4", "--max-output", "10",
+                       "--repeats", "1", "--workload", "alpaca", "--out", str(tmp_path / "out"), "--text",
+                       "--peers-python", str(tmp_path / "none" / "python"),
+                       "--serve-arg=--kv-cache-memory=16MiB"]) == 0
+    text = capsys.readouterr().out
+    res = _result(text)
+    s = res["workloads"]["alpaca"]
+    assert res["text"] is True and "text (detokenized)" in text
+    assert s["greedy_match"]["hf"]["identical"] == 4
+    assert s["text_match"] == {"hf": {"identical": 4, "of": 4}}
+    assert min(s["text_chars_by_engine"].values()) > 0, s["text_chars_by_engine"]
+
+
+def test_text_agreement_compares_only_requests_whose_ids_agree() -> None:
+    got = peers.text_agreement([[1], [2], [3]], ["a", "b", "c"], [[1], [9], [3]], ["a", "x", "C"])
+    assert got == {"identical": 1, "of": 2}
+    # An incomplete last character: held back by one engine, U+FFFD in the other.
+    got = peers.text_agreement([[1], [2]], ["a\ufffdb", "c"], [[1], [2]], ["a\ufffdb\ufffd\ufffd", "\ufffdc"])
+    assert got == {"identical": 1, "of": 2}
+
+
 def test_greedy_agreement_reports_first_divergence() -> None:
     ref = [[1, 2, 3], [4, 5, 6], [7, 8]]
     assert peers.greedy_agreement(ref, [[1, 2, 3], [4, 9, 6], [7, 8]]) == \

@@ -5,7 +5,10 @@ Each engine loads once (``start``), then ``run(name)`` serves one workload
 (all requests submitted at once, greedy, EOS ignored, each request its own
 output length) and returns the wall time from the first submit to the last
 token plus every request's output token ids, so the caller can check that
-greedy decoding agreed across engines.
+greedy decoding agreed across engines. With ``text`` each engine also
+detokenizes, inside the timed run, the way its users get text: pagedserve's
+frontend streams it, vLLM's ``SamplingParams(detokenize=True)``, transformers
+``batch_decode`` after generating.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,7 +28,14 @@ from pagedserve.common.blocks import cdiv
 
 # One workload: (prompt token ids, output length) per request.
 Work = list[tuple[list[int], int]]
-RunResult = tuple[float, list[list[int]]]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    seconds: float
+    ids: list[list[int]]
+    texts: list[str] | None  # each request's text; None on the ids-only path
+
 
 PEERS_VENV = Path(__file__).resolve().parents[2] / ".venv-peers"
 VLLM_WORKER = Path(__file__).with_name("vllm_peer_worker.py")
@@ -97,9 +108,9 @@ class PagedserveEngine:
     name, label = "pagedserve", "pagedserve (4 processes, gRPC)"
 
     def __init__(self, model: str | None, workloads: dict[str, Work], serve_args: list[str],
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None, text: bool = False) -> None:
         """``async_scheduling``: forced on or off (engine pagedserve-async / -sync); None: the default."""
-        self.model, self.workloads, self.serve_args = model, workloads, serve_args
+        self.model, self.workloads, self.serve_args, self.text = model, workloads, serve_args, text
         if async_scheduling is not None:
             self.serve_args = [*serve_args, "--async-scheduling", "on" if async_scheduling else "off"]
             kind = "async" if async_scheduling else "sync"
@@ -115,14 +126,14 @@ class PagedserveEngine:
         self.addr = self.server.grpc_addr
         self._settle()  # warm-up: first-step costs are not throughput
 
-    async def _generate(self, work: Work) -> list[list[int]]:
+    async def _generate(self, work: Work) -> list[tuple[list[int], str]]:
         from pagedserve.client import AsyncGenerationClient
 
         async with AsyncGenerationClient(self.addr) as c:
             # detokenize=False: ids only, as the vLLM peer's SamplingParams(detokenize=False) and HF's ids.
             res = await asyncio.gather(*(c.generate(ids, max_tokens=o, temperature=0.0, ignore_eos=True,
-                                                    detokenize=False, timeout=3600) for ids, o in work))
-        return [list(r[0]) for r in res]
+                                                    detokenize=self.text, timeout=3600) for ids, o in work))
+        return [(list(r[0]), r[1]) for r in res]
 
     def pids(self) -> list[int]:
         return [] if self.server is None else [self.server.proc.pid]
@@ -150,8 +161,9 @@ class PagedserveEngine:
         t0 = time.perf_counter()
         out = asyncio.run(self._generate(work))
         dt = time.perf_counter() - t0
-        _check_lengths(self.name, work, out)
-        return dt, out
+        ids = [i for i, _ in out]
+        _check_lengths(self.name, work, ids)
+        return RunResult(dt, ids, [t for _, t in out] if self.text else None)
 
     def close(self) -> None:
         if self.server is not None:
@@ -194,17 +206,19 @@ class HFEngine:
 
     name = "hf"
 
-    def __init__(self, model_dir: str, workloads: dict[str, Work], dtype: str = "float32") -> None:
-        self.model_dir, self.workloads, self.dtype = model_dir, workloads, dtype
+    def __init__(self, model_dir: str, workloads: dict[str, Work], dtype: str = "float32", text: bool = False) -> None:
+        self.model_dir, self.workloads, self.dtype, self.text = model_dir, workloads, dtype, text
         self.model: Any = None
+        self.tokenizer: Any = None  # with text only
         self.continuous = False
         self.label = "transformers"
 
     def start(self) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, self.dtype)).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir) if self.text else None
         self.continuous = hasattr(self.model, "init_continuous_batching")  # transformers >= 5
         self.label = ("transformers continuous batching" if self.continuous
                       else "transformers generate (static batch)")
@@ -273,9 +287,10 @@ class HFEngine:
         work = self.workloads[workload]
         t0 = time.perf_counter()
         out = self._run_work(work)
+        texts = None if self.tokenizer is None else self.tokenizer.batch_decode(out, skip_special_tokens=True)
         dt = time.perf_counter() - t0
         _check_lengths(self.name, work, out)
-        return dt, out
+        return RunResult(dt, out, texts)
 
     def pids(self) -> list[int]:
         return []  # in the bench's own process (its manager thread waits on a queue)
@@ -295,9 +310,9 @@ class VllmEngine:
     TAG = "PEER_RESULT "
 
     def __init__(self, model_dir: str, workloads: dict[str, Work], max_model_len: int,
-                 python: Path = PEERS_VENV / "bin" / "python", dtype: str = "float32") -> None:
+                 python: Path = PEERS_VENV / "bin" / "python", dtype: str = "float32", text: bool = False) -> None:
         self.model_dir, self.workloads, self.max_model_len, self.python = model_dir, workloads, max_model_len, python
-        self.dtype = dtype
+        self.dtype, self.text = dtype, text
         self.proc: subprocess.Popen[str] | None = None
         self.log: list[str] = []
 
@@ -306,7 +321,7 @@ class VllmEngine:
         return python.is_file()
 
     def start(self) -> None:
-        cfg = {"model": self.model_dir, "max_model_len": self.max_model_len, "dtype": self.dtype,
+        cfg = {"model": self.model_dir, "max_model_len": self.max_model_len, "dtype": self.dtype, "text": self.text,
                "max_num_seqs": max(len(w) for w in self.workloads.values()),
                "workloads": {k: {"prompts": [p for p, _ in w], "outputs": [o for _, o in w]}
                              for k, w in self.workloads.items()}}
@@ -341,7 +356,7 @@ class VllmEngine:
         msg = self._read()
         out = [list(x) for x in msg["token_ids"]]
         _check_lengths(self.name, self.workloads[workload], out)
-        return float(msg["seconds"]), out
+        return RunResult(float(msg["seconds"]), out, msg["texts"] if self.text else None)
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -10,7 +10,9 @@ and output lengths, all requests at once, greedy, EOS ignored, fp32 (or
 engine loads once; the rounds interleave the engines in a rotated order, so
 slow drift of a shared machine falls on all of them. A run's time is from
 the first submit to the last token. Greedy outputs are compared across
-engines (a mismatch is reported, not hidden). Prints a table of medians and
+engines (a mismatch is reported, not hidden). ``--text`` times the text path
+instead of ids only: every engine detokenizes inside its timed run, and the
+texts of requests whose ids agree are compared too. Prints a table of medians and
 the median per-round ratios, a ``BENCH_PEERS_JSON {...}`` line, and writes a
 PNG bar chart to ``--out``.
 """
@@ -69,6 +71,14 @@ def greedy_agreement(ref: list[list[int]], other: list[list[int]]) -> dict[str, 
     first_diff = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
                   for x, y in zip(ref, other) if x != y]
     return {"identical": len(ref) - len(first_diff), "of": len(ref), "first_divergence": first_diff}
+
+
+def text_agreement(ref_ids: list[list[int]], ref: list[str], ids: list[list[int]], texts: list[str]) -> dict[str, int]:
+    """Of the requests whose ids agree, how many texts agree (the same ids must give
+    the same text), up to an incomplete last character: pagedserve and vLLM hold
+    back bytes that do not form a character yet, transformers' decode shows U+FFFD."""
+    same = [i for i, (a, b) in enumerate(zip(ref_ids, ids)) if a == b]
+    return {"identical": sum(ref[i].rstrip("\ufffd") == texts[i].rstrip("\ufffd") for i in same), "of": len(same)}
 
 
 def rotated(names: list[str], r: int) -> list[str]:
@@ -152,6 +162,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra `pagedserve serve` argument (repeatable, later wins), e.g. --serve-arg=--max-num-seqs=64")
     p.add_argument("--peers-python", default=str(PEERS_VENV / "bin" / "python"), help="python of the vLLM venv")
+    p.add_argument("--text", action="store_true", help="the text path: every engine detokenizes in its timed run")
     args = p.parse_args(argv)
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
     wls = [w.strip() for w in args.workload.split(",") if w.strip()]
@@ -179,13 +190,14 @@ def main(argv: list[str]) -> int:
             print(f"bench peers: starting {e}", file=sys.stderr, flush=True)
             eng: Engine
             if e == "pagedserve":
-                eng = PagedserveEngine(args.model, work, serve_args)
+                eng = PagedserveEngine(args.model, work, serve_args, text=args.text)
             elif e in ("pagedserve-async", "pagedserve-sync"):
-                eng = PagedserveEngine(args.model, work, serve_args, async_scheduling=e == "pagedserve-async")
+                eng = PagedserveEngine(args.model, work, serve_args, async_scheduling=e == "pagedserve-async",
+                                       text=args.text)
             elif e == "hf":
-                eng = HFEngine(model_dir, work, args.dtype)
+                eng = HFEngine(model_dir, work, args.dtype, text=args.text)
             else:
-                eng = VllmEngine(model_dir, work, max_len, Path(args.peers_python), args.dtype)
+                eng = VllmEngine(model_dir, work, max_len, Path(args.peers_python), args.dtype, text=args.text)
             try:
                 eng.start()
             except Exception as exc:  # noqa: BLE001 - vLLM is optional; the others must start
@@ -201,16 +213,18 @@ def main(argv: list[str]) -> int:
         names = [e for e in names if e in engines]
         times = {w: {e: [] for e in names} for w in wls}
         outputs: dict[str, dict[str, list[list[list[int]]]]] = {w: {e: [] for e in names} for w in wls}
+        texts: dict[str, dict[str, list[str] | None]] = {w: {} for w in wls}  # each engine's first run
         print("bench peers: the engines not being measured are paused (SIGSTOP)", file=sys.stderr, flush=True)
         for r in range(args.repeats):
             for w in wls:
                 for e in rotated(names, r):
                     for other in names:
                         set_paused(engines[other], other != e)
-                    dt, ids = engines[e].run(w)
-                    times[w][e].append(dt)
-                    outputs[w][e].append(ids)
-                    print(f"bench peers: round {r + 1}/{args.repeats} {w} {e}: {dt:.2f} s", file=sys.stderr,
+                    run = engines[e].run(w)
+                    times[w][e].append(run.seconds)
+                    outputs[w][e].append(run.ids)
+                    texts[w].setdefault(e, run.texts)
+                    print(f"bench peers: round {r + 1}/{args.repeats} {w} {e}: {run.seconds:.2f} s", file=sys.stderr,
                           flush=True)
     finally:
         for eng in engines.values():
@@ -223,13 +237,18 @@ def main(argv: list[str]) -> int:
         summary[w]["greedy_reference"] = ref
         summary[w]["greedy_match"] = {e: greedy_agreement(outputs[w][ref][0], outputs[w][e][0])
                                       for e in names if e != ref}
+        if args.text:
+            summary[w]["text_match"] = {e: text_agreement(outputs[w][ref][0], texts[w][ref] or [], outputs[w][e][0],
+                                                          texts[w][e] or []) for e in names if e != ref}
+            summary[w]["text_chars_by_engine"] = {e: sum(map(len, texts[w][e] or [])) for e in names}
         # Runs of one engine that differ from its own first run (batching nondeterminism).
         summary[w]["unstable_runs"] = {e: sum(o != outputs[w][e][0] for o in outputs[w][e][1:]) for e in names}
         summary[w]["output_tokens_by_engine"] = {e: sum(map(len, outputs[w][e][0])) for e in names}
     labels = {e: engines[e].label for e in names}
     gaps = {e: g for e in names if (g := getattr(engines[e], "idle_gaps", ""))}
     res: dict[str, Any] = {"bench": "peers", "machine": machine_info(), "model": os.path.basename(model_dir.rstrip("/")),
-                           "dtype": args.dtype, "seed": args.seed, "repeats": args.repeats, "engines": names,
+                           "dtype": args.dtype, "text": args.text, "seed": args.seed, "repeats": args.repeats,
+                           "engines": names,
                            "labels": labels, "skipped": skipped, "serve_args": serve_args, "workloads": summary,
                            "worker_idle_between_steps": gaps}
     _print_table(res)
@@ -246,7 +265,7 @@ def main(argv: list[str]) -> int:
 
 def _print_table(res: dict[str, Any]) -> None:
     print(f"bench peers on {res['machine']}: {res['model']}, {res['dtype']}, greedy, EOS ignored, "
-          f"{res['repeats']} interleaved rounds")
+          f"{'text (detokenized)' if res['text'] else 'ids only'}, {res['repeats']} interleaved rounds")
     for w, s in res["workloads"].items():
         print(f"\n{w}-like (x{SCALES[w]}): {s['requests']} requests at once, {s['prompt_tokens']} prompt / "
               f"{s['output_tokens']} output tokens")
@@ -258,6 +277,10 @@ def _print_table(res: dict[str, Any]) -> None:
         for e, m in s["greedy_match"].items():
             flag = "" if m["identical"] == m["of"] else "  GREEDY MISMATCH"
             print(f"  greedy ids {s['greedy_reference']} vs {e}: {m['identical']}/{m['of']} requests identical{flag}")
+        for e, m in s.get("text_match", {}).items():
+            flag = "" if m["identical"] == m["of"] else "  TEXT MISMATCH"
+            print(f"  text {s['greedy_reference']} vs {e}: {m['identical']}/{m['of']} of the requests with identical "
+                  f"ids{flag}")
     for e, g in res.get("worker_idle_between_steps", {}).items():
         print(f"  {res['labels'][e]}: worker {g}")
     for e, why in res["skipped"].items():

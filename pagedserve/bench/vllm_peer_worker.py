@@ -4,7 +4,9 @@ Started as ``.venv-peers/bin/python vllm_peer_worker.py CONFIG.json`` (it
 imports only the standard library and vLLM, never pagedserve, whose
 dependencies differ). It loads the model once, warms up, prints one tagged
 JSON line, then for each ``{"run": NAME}`` line on stdin generates that
-workload and prints ``{"seconds": ..., "token_ids": [...]}``; it exits at EOF.
+workload and prints ``{"seconds": ..., "token_ids": [...], "texts": [...]}``
+(texts only with ``"text": true`` in the config, detokenized by vLLM inside
+the timed run); it exits at EOF.
 vLLM spawns processes, hence the ``__main__`` guard.
 """
 from __future__ import annotations
@@ -31,9 +33,11 @@ def main(argv: list[str]) -> int:
     llm = LLM(model=cfg["model"], dtype=cfg.get("dtype", "float32"), seed=0, max_model_len=cfg["max_model_len"],
               max_num_seqs=cfg["max_num_seqs"])
 
+    text = bool(cfg.get("text", False))
+
     def params(o: int) -> Any:
-        # detokenize=False: the other engines return ids only in their timed path too.
-        return SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=False)
+        # detokenize as the other engines do in their timed path (ids only unless "text").
+        return SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True, detokenize=text)
 
     work = {k: ([TokensPrompt(prompt_token_ids=p) for p in w["prompts"]], [params(o) for o in w["outputs"]])
             for k, w in cfg["workloads"].items()}
@@ -47,7 +51,8 @@ def main(argv: list[str]) -> int:
             t0 = time.perf_counter()
             outs = llm.generate(prompts, ps, use_tqdm=False)
             dt = time.perf_counter() - t0
-            _emit({"seconds": dt, "token_ids": [list(o.outputs[0].token_ids) for o in outs]})
+            _emit({"seconds": dt, "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                   "texts": [o.outputs[0].text for o in outs] if text else None})
         except Exception as e:  # noqa: BLE001 - reported to the parent, which raises
             _emit({"error": f"{type(e).__name__}: {e}"})
     return 0
