@@ -49,6 +49,8 @@ from pagedserve.common.ipc_base import (  # noqa: F401 - re-exported: callers im
 T = TypeVar("T")
 R = TypeVar("R")
 
+STALLED_S = 1.0  # a poll slice this much longer than asked: the caller itself did not run
+
 
 class ReqClient(_Typed[R]):
     """Blocking request/reply client with a timeout (REQ socket)."""
@@ -126,8 +128,16 @@ class ReqClient(_Typed[R]):
         try:
             while True:
                 wait = POLL_MS if deadline is None else max(0, min(POLL_MS, int((deadline - time.monotonic()) * 1000)))
+                t = time.monotonic()
                 if self.sock.poll(wait):
                     break
+                # A slice that ends far later than asked means this process did not run
+                # (SIGSTOP, a paused VM, a starved CPU); its peer most likely did not
+                # either, so that time is not held against the peer: once both run
+                # again, it gets the rest of its time to answer.
+                stalled = time.monotonic() - t - wait / 1000
+                if deadline is not None and stalled > STALLED_S:
+                    deadline += stalled
                 if stop is not None and stop():
                     raise Interrupted(f"stopped while waiting for {self.addr}")
                 if self._peer_lost():

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -86,3 +87,60 @@ def test_process_matches_in_process_and_survives_errors(blockmgr_proc) -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 0
     assert not os.path.exists(sock)
+
+
+CALLER = """
+import sys, zmq
+from pagedserve.common.ipc import ChannelTimeout, ReqClient
+from pagedserve.common.messages.blockmgr import InitRequest, Reply, StatsRequest
+c = ReqClient(zmq.Context(), sys.argv[1], Reply)
+c.call(InitRequest(17, 4, 4), timeout_s=30)
+print("ready", flush=True)
+sys.stdin.readline()
+try:
+    print(type(c.call(StatsRequest(), timeout_s=2.0)).__name__, flush=True)
+except ChannelTimeout as e:
+    print("ChannelTimeout", e, flush=True)
+"""
+
+
+def test_a_caller_stopped_past_its_deadline_waits_for_its_peer_resumed_with_it(blockmgr_proc) -> None:
+    """A benchmark that pauses an engine (SIGSTOP to each process), a paused VM:
+    the caller and its peer both stop while a request is out, for longer than
+    its 2 s timeout, and the caller resumes first. The time neither ran is not
+    held against the peer: the reply that comes once it resumes is taken,
+    instead of a timeout that would recover by recompute and drop the prefix
+    cache (the slow warm round of the 2026-12-04 fp32 bench peers run)."""
+    proc, _, sock = blockmgr_proc
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, f"ipc://{sock}"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert caller.stdout is not None and caller.stdin is not None
+        assert caller.stdout.readline().strip() == "ready"
+        os.kill(proc.pid, signal.SIGSTOP)  # the peer stops first, before it answers
+        caller.stdin.write("\n")
+        caller.stdin.flush()
+        time.sleep(0.5)  # the request is out, the caller polls for its reply
+        os.kill(caller.pid, signal.SIGSTOP)
+        time.sleep(3.0)  # past the caller's 2 s deadline
+        os.kill(caller.pid, signal.SIGCONT)
+        time.sleep(0.5)  # the caller runs again before its peer does
+        os.kill(proc.pid, signal.SIGCONT)
+        assert caller.stdout.readline().strip() == "BlockStats"
+        assert caller.wait(10) == 0
+        # A peer that stays silent while the caller runs still times out.
+        caller = subprocess.Popen([sys.executable, "-c", CALLER, f"ipc://{sock}"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert caller.stdout is not None and caller.stdin is not None
+        assert caller.stdout.readline().strip() == "ready"
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        caller.stdin.write("\n")
+        caller.stdin.flush()
+        assert caller.stdout.readline().startswith("ChannelTimeout")
+        assert 1.9 < time.monotonic() - t0 < 10
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        if caller.poll() is None:
+            caller.kill()
+        caller.wait(5)
