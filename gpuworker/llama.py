@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.gpuworker.cpu_fused import FusedStack
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, head_range, split_range
 from pagedserve.gpuworker.layers import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
 from pagedserve.gpuworker.linear import (
@@ -120,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if self.tie else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary: RotaryEmbedding | None = None  # built after weights are materialized
+        self.fused: FusedStack | None = None  # the CPU stack in one call, for the pools it was built over
 
     def init_buffers(self, max_position: int, device: torch.device) -> None:
         self.rotary = RotaryEmbedding(self.head_dim, max_position, _rope_params(self.cfg)).to(device)
@@ -129,6 +131,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         assert self.rotary is not None
         x = self.embed_tokens(input_ids)
+        if self.fused is None or not self.fused.current(kv_caches):
+            self.fused = FusedStack.build(self, kv_caches)
+        if self.fused is not None:
+            return self.fused.run(x, positions, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, self.rotary, kv_cache, meta)

@@ -1,6 +1,7 @@
 """Builds and loads the CPU kernel library: PagedAttention (``cpu_attention.cpp``),
-the fused per-layer ops (``cpu_ops.cpp``) and the linear layers over packed
-panels (``cpu_linear.cpp``), sharing ``cpu_common.h``.
+the fused per-layer ops (``cpu_ops.cpp``), the linear layers over packed
+panels (``cpu_linear.cpp``) and a Llama decoder stack over all of them in one
+call (``cpu_model.cpp``), sharing ``cpu_common.h``.
 
 Compiled once per source, compiler and CPU into a cache folder
 (``<folder>/<hash>/``) with ``-march=native``, so a cache shared between
@@ -25,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_attention.cpp", HERE / "cpu_ops.cpp", HERE / "cpu_linear.cpp")
+SOURCES = (HERE / "cpu_attention.cpp", HERE / "cpu_ops.cpp", HERE / "cpu_linear.cpp", HERE / "cpu_model.cpp")
 HEADERS = (HERE / "cpu_common.h", HERE / "cpu_scores.h", HERE / "cpu_cascade.h")
 # Compiled with fast math (vectorised expf, reassociated sums) but linked
 # without it: a -ffast-math link adds crtfastmath, whose constructor turns on
@@ -47,6 +48,7 @@ SIGNATURES = {
     "pagedserve_linear_group": [],
     "pagedserve_linear_pack": [_i32, _ptr, _ptr, _i64, _i64],
     "pagedserve_linear": [_i32, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "pagedserve_llama_stack": [_ptr],
 }
 
 # Until configured (kernels used directly, outside a worker): on, in the default cache's folder.

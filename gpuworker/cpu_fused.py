@@ -1,0 +1,109 @@
+"""The CPU decoder stack of a Llama-family model in one compiled call
+(``kernels/cpu_model.cpp``), where the per-op path would make about nine
+Python and ctypes round trips per layer.
+
+``FusedStack.build`` takes it only where every op would have run its compiled
+kernel anyway (CPU, float32 or bfloat16, one rank, the torch attention backend,
+every linear packed in panels, a KV pool the library reads); anywhere else it
+returns None and the model runs layer by layer, with the same result bit for
+bit (tests/test_cpu_fused.py). ``PAGEDSERVE_CPU_FUSED_LAYERS=0`` turns it off.
+
+A stack holds the addresses of the weights, pools and fp8 scales it was built
+over, and keeps the objects alive; ``current`` tells whether the model still
+points at the same ones (the runner sets backends and scales after building).
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pagedserve.common.env import env_flag
+from pagedserve.gpuworker.cpu_gemm import Layout, PackedWeight
+from pagedserve.gpuworker.layers import AttentionMetadata
+from pagedserve.kernels import cpu_build
+from pagedserve.kernels.cpu_attention import DTYPE_CODES, kv_code
+from pagedserve.kernels.cpu_layers import LayerPtrs, StackArgs, addr, llama_stack, table_addr
+
+ENV = "CPU_FUSED_LAYERS"
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def _usable(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    return t is None or (t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous())
+
+
+def _panels(linear: Any, dtype: torch.dtype) -> PackedWeight | None:
+    p: PackedWeight | None = linear.packed
+    if p is None or p.layout is not Layout.PANELS or not _usable(p.data, dtype) or not _usable(linear.bias, dtype):
+        return None
+    return p
+
+
+class FusedStack:
+    """One model's layers over one set of KV pools, ready to run a step."""
+
+    def __init__(self, model: Any, kv_caches: Sequence[KVCache], layers: Any, watched: list[object]) -> None:
+        self.model, self.kv_caches, self.layers, self.watched = model, kv_caches, layers, watched
+        self.dtype: torch.dtype = model.embed_tokens.weight.dtype
+
+    @staticmethod
+    def _watch(model: Any) -> list[object]:
+        """What a rebuild would read that the runner may swap after building: backends, scales, packings."""
+        out: list[object] = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out += (attn.attn.backend, attn.attn.k_scale, attn.attn.v_scale, attn.qkv_proj.packed,
+                    attn.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed)
+        return out
+
+    def current(self, kv_caches: Sequence[KVCache]) -> bool:
+        return kv_caches is self.kv_caches and all(map(operator.is_, self._watch(self.model), self.watched))
+
+    @classmethod
+    def build(cls, model: Any, kv_caches: Sequence[KVCache]) -> FusedStack | None:
+        dtype = model.embed_tokens.weight.dtype
+        if (not env_flag(ENV, True) or model.embed_tokens.weight.device.type != "cpu" or dtype not in DTYPE_CODES
+                or model.embed_tokens.tp.size != 1 or len(kv_caches) != model.num_layers
+                or not (_usable(model.rotary.cos, torch.float32) and _usable(model.rotary.sin, torch.float32))
+                or cpu_build.load() is None):
+            return None
+        eps = model.norm.eps
+        ptrs = (LayerPtrs * model.num_layers)()
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches)):
+            attn, mlp = layer.self_attn, layer.mlp
+            packs = [_panels(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (attn.attn.backend.name != "torch" or None in packs or kv_code(dtype, k_cache.dtype) is None
+                    or v_cache.dtype != k_cache.dtype or not (_usable(k_cache, k_cache.dtype) and _usable(v_cache, k_cache.dtype))
+                    or any(n.eps != eps or not _usable(n.weight, dtype) for n in norms)
+                    or not (_usable(attn.attn.k_scale, torch.float32) and _usable(attn.attn.v_scale, torch.float32))):
+                return None
+            qkv, o, gate_up, down = packs
+            ptrs[i] = LayerPtrs(
+                addr(norms[0].weight), addr(norms[1].weight), addr(qkv.data), addr(attn.qkv_proj.bias),
+                addr(o.data), addr(attn.o_proj.bias), addr(gate_up.data), addr(mlp.gate_up_proj.bias),
+                addr(down.data), addr(mlp.down_proj.bias), addr(k_cache), addr(v_cache),
+                addr(attn.attn.k_scale), addr(attn.attn.v_scale),
+            )
+        return cls(model, kv_caches, ptrs, cls._watch(model))
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The final norm's output for embeddings ``x`` [tokens, hidden]."""
+        m, attn = self.model, self.model.layers[0].self_attn
+        k_cache = self.kv_caches[0][0]
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        tables, lens, qsl = (t.to(torch.int32).contiguous() for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc))
+        pos, slots = (t.to(torch.int64).contiguous() for t in (positions, meta.slot_mapping))
+        args = StackArgs(
+            DTYPE_CODES[self.dtype], kv_code(self.dtype, k_cache.dtype), m.num_layers, x.shape[0], x.shape[1],
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, m.layers[0].mlp.down_proj.in_features, lens.numel(),
+            k_cache.shape[1], tables.shape[1], m.norm.eps, attn.attn.scale,
+            table_addr(self.layers), addr(m.norm.weight), addr(pos), addr(slots), addr(m.rotary.cos),
+            addr(m.rotary.sin), addr(tables), addr(lens), addr(qsl), addr(x), addr(out),
+        )
+        llama_stack(args)
+        return out

@@ -1,0 +1,54 @@
+"""The Llama decoder stack in one compiled call (``cpu_model.cpp``): the same
+kernels as the per-op path (``cpu_ops.py``, ``cpu_attention.py``), in the
+same order, so its output is bit for bit theirs, without a Python and ctypes
+round trip per op.
+
+``LayerPtrs`` and ``StackArgs`` mirror the C structs field for field. The
+caller (``gpuworker/cpu_fused.py``) checks every tensor's dtype, device and
+layout before it hands their addresses over; this module only marshals.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagedserve.kernels import cpu_build
+
+_p, _i, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
+
+
+class LayerPtrs(ctypes.Structure):
+    """One decoder layer: norm weights, packed linears (``cpu_ops.pack_linear``)
+    and their biases (None: no bias), the layer's K/V pool and its fp8 scales."""
+
+    _fields_ = [(name, _p) for name in (
+        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down", "down_bias",
+        "k_cache", "v_cache", "k_scale", "v_scale",
+    )]
+
+
+class StackArgs(ctypes.Structure):
+    _fields_ = [
+        *[(name, _i) for name in ("dtype", "kv_dtype", "num_layers", "tokens", "hidden", "heads", "kv_heads",
+                                  "head_dim", "intermediate", "num_seqs", "block_size", "table_stride")],
+        ("eps", _f), ("scale", _f),
+        *[(name, _p) for name in ("layers", "final_norm", "positions", "slots", "cos", "sin", "block_tables",
+                                  "seq_lens", "query_start_loc", "x", "out")],
+    ]
+
+
+def addr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def table_addr(layers: ctypes.Array[LayerPtrs]) -> int:
+    """The address ``StackArgs.layers`` takes for an array of ``LayerPtrs``."""
+    return ctypes.addressof(layers)
+
+
+def llama_stack(args: StackArgs) -> None:
+    """Runs the stack; ``args.x`` ends as the residual stream, ``args.out`` as the final norm's output."""
+    rc = cpu_build.load().pagedserve_llama_stack(ctypes.byref(args))
+    if rc != 0:
+        raise ValueError(f"llama_stack: bad shapes (code {rc})")
