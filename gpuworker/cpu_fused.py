@@ -45,22 +45,22 @@ def _panels(linear: Any, dtype: torch.dtype) -> PackedWeight | None:
 class FusedStack:
     """One model's layers over one set of KV pools, ready to run a step."""
 
-    def __init__(self, model: Any, kv_caches: Sequence[KVCache], layers: Any, watched: list[object]) -> None:
-        self.model, self.kv_caches, self.layers, self.watched = model, kv_caches, layers, watched
+    def __init__(self, model: Any, kv_caches: Sequence[KVCache], layers: Any) -> None:
+        self.model, self.kv_caches, self.layers = model, kv_caches, layers
         self.dtype: torch.dtype = model.embed_tokens.weight.dtype
+        # The submodules looked up once: nn.Module's __getattr__ costs about 1 us a lookup.
+        self.attns = [layer.self_attn.attn for layer in model.layers]
+        self.linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        self.watched = self._watch()
 
-    @staticmethod
-    def _watch(model: Any) -> list[object]:
+    def _watch(self) -> list[object]:
         """What a rebuild would read that the runner may swap after building: backends, scales, packings."""
-        out: list[object] = []
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            out += (attn.attn.backend, attn.attn.k_scale, attn.attn.v_scale, attn.qkv_proj.packed,
-                    attn.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed)
-        return out
+        return ([a.backend for a in self.attns] + [a.k_scale for a in self.attns] + [a.v_scale for a in self.attns]
+                + [m.packed for m in self.linears])
 
     def current(self, kv_caches: Sequence[KVCache]) -> bool:
-        return kv_caches is self.kv_caches and all(map(operator.is_, self._watch(self.model), self.watched))
+        return kv_caches is self.kv_caches and all(map(operator.is_, self._watch(), self.watched))
 
     @classmethod
     def build(cls, model: Any, kv_caches: Sequence[KVCache]) -> FusedStack | None:
@@ -88,7 +88,7 @@ class FusedStack:
                 addr(down.data), addr(mlp.down_proj.bias), addr(k_cache), addr(v_cache),
                 addr(attn.attn.k_scale), addr(attn.attn.v_scale),
             )
-        return cls(model, kv_caches, ptrs, cls._watch(model))
+        return cls(model, kv_caches, ptrs)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final norm's output for embeddings ``x`` [tokens, hidden]."""
