@@ -47,12 +47,20 @@ class FusedStack:
 
     def __init__(self, model: Any, kv_caches: Sequence[KVCache], layers: Any) -> None:
         self.model, self.kv_caches, self.layers = model, kv_caches, layers
-        self.dtype: torch.dtype = model.embed_tokens.weight.dtype
         # The submodules looked up once: nn.Module's __getattr__ costs about 1 us a lookup.
         self.attns = [layer.self_attn.attn for layer in model.layers]
         self.linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         self.watched = self._watch()
+        # What every step shares; run() fills in the batch.
+        dtype, k_cache, attn = model.embed_tokens.weight.dtype, kv_caches[0][0], self.attns[0]
+        self.args = StackArgs(
+            dtype=DTYPE_CODES[dtype], kv_dtype=kv_code(dtype, k_cache.dtype), num_layers=model.num_layers,
+            hidden=model.cfg.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            intermediate=model.layers[0].mlp.down_proj.in_features, block_size=k_cache.shape[1],
+            eps=model.norm.eps, scale=attn.scale, layers=table_addr(layers), final_norm=addr(model.norm.weight),
+            cos=addr(model.rotary.cos), sin=addr(model.rotary.sin),
+        )
 
     def _watch(self) -> list[object]:
         """What a rebuild would read that the runner may swap after building: backends, scales, packings."""
@@ -70,14 +78,15 @@ class FusedStack:
                 or not (_usable(model.rotary.cos, torch.float32) and _usable(model.rotary.sin, torch.float32))
                 or cpu_build.load() is None):
             return None
-        eps = model.norm.eps
+        eps, pool = model.norm.eps, kv_caches[0][0]
         ptrs = (LayerPtrs * model.num_layers)()
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
             packs = [_panels(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if (attn.attn.backend.name != "torch" or None in packs or kv_code(dtype, k_cache.dtype) is None
-                    or v_cache.dtype != k_cache.dtype or not (_usable(k_cache, k_cache.dtype) and _usable(v_cache, k_cache.dtype))
+            if (attn.attn.backend.name != "torch" or None in packs or kv_code(dtype, pool.dtype) is None
+                    or any(c.dtype != pool.dtype or c.shape[1:] != (pool.shape[1], attn.num_kv_heads, attn.head_dim)
+                           or not _usable(c, pool.dtype) for c in (k_cache, v_cache))
                     or any(n.eps != eps or not _usable(n.weight, dtype) for n in norms)
                     or not (_usable(attn.attn.k_scale, torch.float32) and _usable(attn.attn.v_scale, torch.float32))):
                 return None
@@ -91,19 +100,14 @@ class FusedStack:
         return cls(model, kv_caches, ptrs)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The final norm's output for embeddings ``x`` [tokens, hidden]."""
-        m, attn = self.model, self.model.layers[0].self_attn
-        k_cache = self.kv_caches[0][0]
+        """The final norm's output for embeddings ``x`` [tokens, hidden] (which end as the residual stream)."""
         x = x.contiguous()
         out = torch.empty_like(x)
         tables, lens, qsl = (t.to(torch.int32).contiguous() for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc))
         pos, slots = (t.to(torch.int64).contiguous() for t in (positions, meta.slot_mapping))
-        args = StackArgs(
-            DTYPE_CODES[self.dtype], kv_code(self.dtype, k_cache.dtype), m.num_layers, x.shape[0], x.shape[1],
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, m.layers[0].mlp.down_proj.in_features, lens.numel(),
-            k_cache.shape[1], tables.shape[1], m.norm.eps, attn.attn.scale,
-            table_addr(self.layers), addr(m.norm.weight), addr(pos), addr(slots), addr(m.rotary.cos),
-            addr(m.rotary.sin), addr(tables), addr(lens), addr(qsl), addr(x), addr(out),
-        )
-        llama_stack(args)
+        a = self.args
+        a.tokens, a.num_seqs, a.table_stride = x.shape[0], lens.numel(), tables.shape[1]
+        a.positions, a.slots, a.block_tables, a.seq_lens, a.query_start_loc = map(addr, (pos, slots, tables, lens, qsl))
+        a.x, a.out = addr(x), addr(out)
+        llama_stack(a)
         return out
