@@ -12,6 +12,8 @@ guidellm section). Two signals say the cores are taken:
 - between steps, the CPU time other processes used on the worker's cores
   (``/proc/stat`` minus our own): above ``busy_share`` of the cores (a load
   generator starting, a build), the next step already runs on one thread.
+  The idle worker samples it too (``ThreadGovernor.idle``, every poll), so a
+  step after a pause sees the last window's load, not the pause's average.
 
 On one thread it goes back to every thread when the others use less than
 ``quiet_cores``, or tries every thread for one step after ``probe_s`` (doubled
@@ -55,8 +57,9 @@ class ContentionGovernor:
         self._probe_s = policy.probe_s
         self._probing = False
 
-    def before_step(self, at_s: float, busy_s: float, own_s: float) -> int:
-        """``busy_s``: CPU time of all processes on the worker's cores; ``own_s``: ours."""
+    def observe(self, at_s: float, busy_s: float, own_s: float) -> None:
+        """Measures the others' load since the last sample (at most once a window):
+        ``busy_s``, CPU time of all processes on the worker's cores; ``own_s``, ours."""
         p = self.policy
         last = self._last
         if last is None or at_s - last[0] >= p.window_s:
@@ -67,8 +70,12 @@ class ContentionGovernor:
                     self._down(at_s)
                 elif self.threads == 1 and self.others_cores < p.quiet_cores:
                     self._up()
+
+    def before_step(self, at_s: float, busy_s: float, own_s: float) -> int:
+        """The threads the next step runs, after a load sample (``observe``)."""
+        self.observe(at_s, busy_s, own_s)
         if self.threads == 1 and at_s >= self._probe_at:
-            self.threads, self._probing = p.full_threads, True
+            self.threads, self._probing = self.policy.full_threads, True
         return self.threads
 
     def after_step(self, at_s: float, wall_s: float, cpu_s: float) -> None:
@@ -144,6 +151,12 @@ class ThreadGovernor:
             return step()
         finally:
             self.after_step()
+
+    def idle(self) -> None:
+        """Between steps with nothing to run: a load sample, so that the first step
+        after a pause is judged by the load just before it, not by the whole pause
+        (a load generator that starts while the worker waits, guidellm's first request)."""
+        self.governor.observe(self._clock(), busy_seconds(self._read_stat(), self.cores, self._tick_s), self._own_cpu())
 
     def before_step(self) -> None:
         now, own = self._clock(), self._own_cpu()

@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while not stop:
             if not server.poll(100):  # wake up regularly to notice signals (and lost ranks)
+                if governor is not None:
+                    governor.idle()
                 if any(p.poll() is not None for p in ranks):
                     print("pagedserve gpuworker: a tensor-parallel rank exited; stopping", file=sys.stderr, flush=True)
                     rc = 1

@@ -80,6 +80,43 @@ def test_a_busy_machine_between_steps_means_one_thread_a_quiet_one_all() -> None
     assert g.before_step(12.4, 103.79, 7.5) == 2 and g.others_cores == pytest.approx(0.0)
 
 
+def test_a_load_that_starts_while_the_worker_waits_is_seen_by_the_first_step() -> None:
+    """10 s without a step; both cores taken by others in its last 0.6 s (a load
+    generator starting, then sending its first request). Judged from the last step, the
+    pause averages 0.12 cores and the first step would run on both pinned threads; with
+    the idle worker's samples it sees the last window's 2 cores and runs on one."""
+    g = ContentionGovernor(policy())
+    g.before_step(0.0, 0.0, 0.0)
+    assert g.before_step(10.0, 1.2, 0.0) == 2 and g.others_cores == pytest.approx(0.12)
+    g = ContentionGovernor(policy())
+    g.before_step(0.0, 0.0, 0.0)
+    busy = 0.0
+    for tick in range(1, 100):  # the service's 100 ms polls
+        busy += 0.2 if tick > 94 else 0.0  # 2 cores x 0.1 s from 9.4 s on
+        g.observe(tick / 10, busy, 0.0)
+    assert g.threads == 1 and g.others_cores == pytest.approx(2.0)
+    assert g.before_step(10.0, busy + 0.2, 0.0) == 1
+
+
+def test_idle_samples_switch_the_next_step_to_one_thread() -> None:
+    mine = os.sched_getaffinity(0)
+    clock, busy = [0.0], [0]
+    stat = lambda: "\n".join(f"cpu{c} {busy[0]} 0 0 0 0 0 0 0 0 0" for c in sorted(mine))  # noqa: E731
+    set_to: list[int] = []
+    gov = ThreadGovernor(set(mine), set_to.append, read_stat=stat, clock=lambda: clock[0], own_cpu=lambda: 0.0)
+    gov.pinned = mine  # leave this process's cores as they are
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    gov.run(lambda: None)
+    for t in range(1, 31):  # 3 s idle, the others taking every core in the last 0.5 s
+        clock[0] = t / 10
+        busy[0] += int(0.1 / tick) if t > 25 else 0
+        gov.idle()
+    assert set_to == [] and gov.threads == len(mine)  # idle samples switch nothing themselves
+    clock[0] = 3.05
+    gov.before_step()
+    assert set_to == ([1] if len(mine) > 1 else []) and gov.steps_single == 1
+
+
 def test_inefficient_steps_mean_one_thread_then_tries_with_backoff() -> None:
     g = ContentionGovernor(policy())
     assert g.before_step(0.0, 0.0, 0.0) == 2
