@@ -24,6 +24,7 @@
 
 #include <omp.h>
 
+#include "cpu_bf16.h"
 #include "cpu_cascade.h"
 #include "cpu_common.h"
 #include "cpu_scores.h"
@@ -57,24 +58,30 @@ struct Rows {
   float* m;    // [rows] running max
   float* l;    // [rows] running sum of exp
   float* s;    // [rows, BS] scores, then weights, of one block
+  uint16_t* qh;  // [rows, D] the bf16 queries as given (bf16 q only, else null), for cpu_bf16.h
+  float qscale;  // what qs has that qh has not
 };
 
 // Rows for query tokens tok0 .. tok0 + nq - 1 of q, every head.
 template <typename T>
 Rows load_rows(const T* q, int tok0, int nq, int D, const Shape& sh, std::vector<float>& scratch) {
+  constexpr bool RAW = std::is_same_v<T, uint16_t>;
   const int H = sh.num_heads, KVH = sh.num_kv_heads, G = H / KVH, rows = nq * H;
-  scratch.assign(static_cast<size_t>(rows) * (2 * D + 2 + sh.block_size), 0.0f);
-  Rows w{nq, rows, nq * G, scratch.data(), nullptr, nullptr, nullptr, nullptr};
+  const size_t raw_floats = RAW ? (static_cast<size_t>(rows) * D + 1) / 2 : 0;
+  scratch.assign(static_cast<size_t>(rows) * (2 * D + 2 + sh.block_size) + raw_floats, 0.0f);
+  Rows w{nq, rows, nq * G, scratch.data(), nullptr, nullptr, nullptr, nullptr, nullptr, sh.scale * sh.k_scale};
   w.acc = w.qs + static_cast<size_t>(rows) * D;
   w.m = w.acc + static_cast<size_t>(rows) * D;
   w.l = w.m + rows;
   w.s = w.l + rows;
+  if constexpr (RAW) w.qh = reinterpret_cast<uint16_t*>(w.s + static_cast<size_t>(rows) * sh.block_size);
   for (int kvh = 0; kvh < KVH; ++kvh)
     for (int t = 0; t < nq; ++t)
       for (int g = 0; g < G; ++g) {
         const int r = (kvh * nq + t) * G + g;
         const T* src = q + static_cast<int64_t>(tok0 + t) * sh.q_stride + (kvh * G + g) * D;
-        for (int d = 0; d < D; ++d) w.qs[r * D + d] = load(src + d) * (sh.scale * sh.k_scale);
+        for (int d = 0; d < D; ++d) w.qs[r * D + d] = load(src + d) * w.qscale;
+        if constexpr (RAW) std::copy(src, src + D, w.qh + static_cast<size_t>(r) * D);
         w.m[r] = -FLT_MAX;
       }
   return w;
@@ -93,6 +100,9 @@ void attend(const KT* k_cache, const KT* v_cache, const int32_t* table, int kb_b
             Rows& w, const Shape& sh) {
   const int D = DT > 0 ? DT : sh.head_dim;
   const int KVH = sh.num_kv_heads, G = sh.num_heads / KVH, BS = sh.block_size;
+  // A bf16 pool (so bf16 q) in whole 16-key blocks: pairs of bf16 per instruction (cpu_bf16.h).
+  constexpr bool PAIRS = BF16_PAIRS && std::is_same_v<KT, uint16_t> && DT > 0 && DT % 32 == 0;
+  const bool pairs = PAIRS && BS == LANES && w.qh != nullptr;
   const int nq = w.nq, rows = w.rows, per_kv = w.per_kv;
   float *qs = w.qs, *acc = w.acc, *m = w.m, *l = w.l, *s = w.s;
   const int64_t tok_stride = static_cast<int64_t>(KVH) * D;  // between slots of a block
@@ -112,9 +122,15 @@ void attend(const KT* k_cache, const KT* v_cache, const int32_t* table, int kb_b
     const KT* v_ahead = n_ahead > 0 ? v_cache + table[kb + AHEAD] * block_elems : nullptr;
     if (DT > 0 && BS == LANES && per_kv >= VECTOR_SCORE_ROWS) {  // scores of 16 keys in one vector
       prefetch_slots(k_ahead, v_ahead, 0, n_ahead, tok_stride);
-      block_scores<KT, (DT > 0 ? DT : LANES)>(kblk, n, tok_stride, KVH, per_kv, qs, s);
+      if constexpr (PAIRS) {
+        if (pairs) block_scores_bf16<DT>(kblk, n, tok_stride, KVH, per_kv, w.qh, w.qscale, s);
+      }
+      if (!pairs) block_scores<KT, (DT > 0 ? DT : LANES)>(kblk, n, tok_stride, KVH, per_kv, qs, s);
     } else if (DT > 0 && BS == LANES && n == LANES) {  // a full block, few rows
-      block_dots<KT, (DT > 0 ? DT : LANES)>(kblk, tok_stride, KVH, per_kv, qs, s, k_ahead, v_ahead, n_ahead);
+      if constexpr (PAIRS) {
+        if (pairs) block_dots_bf16<DT>(kblk, tok_stride, KVH, per_kv, w.qh, w.qscale, s, k_ahead, v_ahead, n_ahead);
+      }
+      if (!pairs) block_dots<KT, (DT > 0 ? DT : LANES)>(kblk, tok_stride, KVH, per_kv, qs, s, k_ahead, v_ahead, n_ahead);
     } else {
       // Scores. Key i is visible to token t when kb * BS + i < first_ctx + t (causal).
       for (int i = 0; i < n; ++i) {
@@ -172,6 +188,12 @@ void attend(const KT* k_cache, const KT* v_cache, const int32_t* table, int kb_b
     for (int kvh = 0; kvh < KVH; ++kvh)
       for (int c0 = 0; c0 < per_kv; c0 += ROW_CHUNK) {
         const int nc = std::min(ROW_CHUNK, per_kv - c0), r0 = kvh * per_kv + c0;
+        if constexpr (PAIRS) {
+          if (pairs) {
+            weighted_values_bf16<DT, ROW_CHUNK>(vblk, n, tok_stride, kvh, s, r0, nc, acc);
+            continue;
+          }
+        }
         if constexpr (DT > 0) {
           constexpr int NV = DT / LANES;
           vf a[ROW_CHUNK][NV];
