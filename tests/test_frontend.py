@@ -202,10 +202,17 @@ def test_abort_rpc_ends_the_stream_with_abort(server: Server) -> None:
 
 
 def test_deadline_is_honoured_and_frees_blocks(server: Server) -> None:
+    args = dict(max_tokens=480, temperature=0.0, ignore_eos=True)
     with server.client() as c:
+        # The deadline is a quarter of what the same request takes here, so it ends mid-stream
+        # on a fast machine too (a fixed 0.5 s was longer than all 480 tokens once steps sped up).
+        t0 = time.monotonic()
+        for _ in c.stream(PROMPT, **args):
+            pass
+        whole = time.monotonic() - t0
         t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
-            for _ in c.stream(PROMPT, timeout=0.5, max_tokens=480, temperature=0.0, ignore_eos=True):
+            for _ in c.stream(PROMPT, timeout=max(0.02, whole / 4), **args):
                 pass
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert time.monotonic() - t0 < 5
