@@ -17,11 +17,6 @@ namespace pagedserve_cpu {
 #if defined(__AVX512BF16__)
 constexpr bool BF16_PAIRS = true;
 
-inline __m512 as_m512(vf v) {
-  __m512 m;
-  std::memcpy(&m, &v, sizeof m);
-  return m;
-}
 inline vf as_vf(__m512 m) {
   vf v;
   std::memcpy(&v, &m, sizeof v);

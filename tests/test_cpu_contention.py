@@ -208,21 +208,18 @@ def test_busy_processes_on_this_machine_switch_it_down_and_back() -> None:
         gov.before_step()
         time.sleep(0.05)
     if set_to == [1] and (load := others_load(mine[:2])) >= gov.governor.policy.quiet_cores:
-        # Measured here, apart from the governor: a process outside the test (a build, another
+        # Measured here, apart from the governor's state: a process outside the test (a build, another
         # suite) keeps the cores busy, and staying at one thread is then right.
         pytest.skip(f"other processes kept {load:.2f} of these two cores busy after the loops ended")
     assert set_to == [1, 2], f"others used {gov.governor.others_cores:.2f} cores after the loops ended"
 
 
 def others_load(cores: list[int], span_s: float = 1.0) -> float:
-    """Cores that processes other than this one keep busy, from /proc/stat's
-    per-CPU lines (user, nice, system, irq, softirq, steal) over span_s."""
+    """Cores that processes other than this one keep busy over span_s (busy_seconds,
+    tested above against a fixed /proc/stat, read here without the governor)."""
     def busy() -> float:
         with open("/proc/stat") as f:
-            rows = [line.split() for line in f if line.startswith("cpu") and line[3].isdigit()]
-        ticks = sum(sum(int(v) for i, v in enumerate(r[1:9]) if i not in (3, 4)) for r in rows
-                    if int(r[0][3:]) in cores)
-        return ticks / os.sysconf("SC_CLK_TCK")
+            return busy_seconds(f.read(), cores, 1 / os.sysconf("SC_CLK_TCK"))
 
     t0, b0, own0 = time.monotonic(), busy(), time.process_time()
     time.sleep(span_s)
