@@ -115,11 +115,15 @@ def main(argv: list[str]) -> int:
 
     def start(name: str) -> subprocess.Popen[bytes]:
         extra = _frontend_args(sa) if name == "frontend" else []
-        # start_new_session: a terminal's Ctrl-C goes to its foreground process group; the
-        # children must not get it, or the engine would stop under the frontend's drain.
+        # A process group of its own: a terminal's Ctrl-C goes to its foreground process group;
+        # the children must not get it, or the engine would stop under the frontend's drain.
+        # Not a session of its own: with the kernel's autogroups each session is one scheduling
+        # group, and on the 2-core VM a component alone in its group, idle, then woken while a
+        # load client spawns its processes, waited up to 0.9 s for a core (docs/benchmarks.md,
+        # "guidellm's first request"); in the launcher's session it did not.
         return subprocess.Popen([sys.executable, "-m", "pagedserve", name, *common, *extra],
                                 env=fe_env if name == "frontend" else env, preexec_fn=die_with_parent,
-                                start_new_session=True)
+                                process_group=0)
 
     try:
         for name in COMPONENTS:

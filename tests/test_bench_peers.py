@@ -138,9 +138,9 @@ def test_set_paused_stops_and_continues_a_whole_process_tree() -> None:
 
     from pagedserve.bench.peer_engines import proc_stat, process_tree, set_paused
 
-    # A parent with a child in its own session, as serve's components are.
+    # A parent with a child in its own process group, as serve's components are.
     code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
-            "start_new_session=True); time.sleep(60)")
+            "process_group=0); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", code])
 
     class Eng:

@@ -50,6 +50,18 @@ def not_serving(addr: str) -> bool:
         return r.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+def test_components_lead_their_own_process_groups_in_the_launchers_session(tiny: str) -> None:
+    """Own process groups: a terminal's Ctrl-C reaches only the launcher, which drains.
+    The launcher's session: one autogroup, not one per component (launcher.py says why)."""
+    from pagedserve.bench.peer_engines import process_tree
+
+    with serve(tiny, *SIM, session=True) as s:
+        children = process_tree(s.proc.pid)[1:]
+        assert len(children) == 4, children
+        assert [os.getsid(p) for p in children] == [os.getsid(s.proc.pid)] * 4
+        assert [os.getpgid(p) for p in children] == children
+
+
 def test_ctrl_c_lets_the_request_in_flight_finish_and_stops_once_none_is(tiny: str) -> None:
     with serve(tiny, *SIM, session=True) as s, s.client() as c:
         # The SIMULATED worker: about 4000 tokens take seconds on 2 cores, well inside 30 s.

@@ -64,7 +64,7 @@ def proc_stat(pid: int) -> list[str]:
 
 def process_tree(root: int) -> list[int]:
     """``root`` and every descendant, parents first (from /proc: pagedserve's
-    components run in their own session, so a process group would miss them)."""
+    components lead process groups of their own, so the launcher's would miss them)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
