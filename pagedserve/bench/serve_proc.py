@@ -48,10 +48,11 @@ class ServeProc:
 
 def start_serve(serve_args: list[str], model: str | None = None, timeout_s: float = 1800.0,
                 echo: bool = False, preexec_fn: Callable[[], None] | None = None,
-                keep_lines: int | None = None) -> ServeProc:
+                keep_lines: int | None = None, own_session: bool = False) -> ServeProc:
     """Runs ``pagedserve serve`` on free loopback ports until it prints that it serves.
     ``preexec_fn`` runs in the child before exec; ``keep_lines`` bounds the kept log
-    (a long-lived server's, e.g. a Ray Serve replica's)."""
+    (a long-lived server's, e.g. a Ray Serve replica's); ``own_session``: a new
+    session, as a service manager starts a server (see ``bench-guidellm-peers.py``)."""
     grpc_port = free_port()
     if _has_grpc_port_flag():
         http_port = free_port()
@@ -63,7 +64,8 @@ def start_serve(serve_args: list[str], model: str | None = None, timeout_s: floa
     if model:
         cmd += ["--model", model]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=preexec_fn)
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=preexec_fn,
+                            start_new_session=own_session)
     sp = ServeProc(proc, f"127.0.0.1:{grpc_port}", http_url)
     ready, serving = threading.Event(), threading.Event()  # ready: serving, or the output ended
 

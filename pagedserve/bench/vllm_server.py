@@ -44,7 +44,9 @@ def _healthy(url: str) -> bool:
 
 def start_vllm_serve(model_dir: str, served_name: str, max_model_len: int, max_num_seqs: int,
                      python: Path = PEERS_VENV / "bin" / "python", timeout_s: float = 900.0,
-                     extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> VllmServer:
+                     extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None,
+                     own_session: bool = False) -> VllmServer:
+    """``own_session``: a new session, as a service manager starts a server."""
     import os
 
     if not python.is_file():
@@ -58,7 +60,8 @@ def start_vllm_serve(model_dir: str, served_name: str, max_model_len: int, max_n
            "--port", str(port), "--dtype", "float32", "--served-model-name", served_name,
            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", "0", *extra_args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, **vllm_cpu_env(), **(extra_env or {})}, cwd=tempfile.gettempdir())
+                            env={**os.environ, **vllm_cpu_env(), **(extra_env or {})}, cwd=tempfile.gettempdir(),
+                            start_new_session=own_session)
     srv = VllmServer(proc, f"http://127.0.0.1:{port}")
 
     def reader() -> None:  # keeps draining, or the server blocks on a full pipe
