@@ -11,47 +11,22 @@ run before 2026-12-06): in this script's session, beside guidellm. "own": each
 server in a session of its own, as a service manager or a second terminal starts
 it; with the kernel's autogroup scheduling (/proc/sys/kernel/sched_autogroup_enabled)
 a session's processes share the CPU with guidellm's as one group. `pagedserve
-serve` already starts each of its four components in a session of its own, so
-this moves only its launcher and vLLM's two processes. "own,shared" runs both.
+serve` keeps its four components in its own session (before 2026-12-06 each had a
+session of its own). "own,shared" runs both.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from pagedserve.bench.guidellm import figures, guidellm_run, warm_up
 from pagedserve.bench.serve_proc import start_serve
 from pagedserve.bench.throughput import machine
 from pagedserve.bench.vllm_server import start_vllm_serve
 from pagedserve.common.default_model import resolve_model
-
-
-def guidellm_run(exe: str, url: str, model_dir: str, profile: str, constraint: str, prompt: int, output: int,
-                 out: Path) -> dict[str, Any]:
-    argv = [exe, "run", "--backend", f"kind=openai_http,target={url},request_format=/v1/completions",
-            "--profile", profile, "--constraint", constraint,
-            "--data", f"kind=synthetic_text,prompt_tokens={prompt},output_tokens={output}",
-            "--tokenizer", f"kind=hf_auto,model={model_dir}", "--output", f"kind=json,path={out}", "--disable-console"]
-    r = subprocess.run(argv, capture_output=True, text=True, cwd=tempfile.gettempdir(),
-                       env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(Path.home())})
-    if r.returncode != 0 or not out.exists():
-        raise RuntimeError((r.stdout + r.stderr)[-3000:])
-    return json.loads(out.read_text())["benchmarks"][0]
-
-
-def figures(bench: dict[str, Any]) -> dict[str, float]:
-    m = bench["metrics"]
-
-    def pct(name: str, p: str) -> float:
-        return float(m[name]["successful"]["percentiles"][p])
-
-    return {"ttft_p50": pct("time_to_first_token_ms", "p50"), "ttft_p99": pct("time_to_first_token_ms", "p99"),
-            "itl_p50": pct("inter_token_latency_ms", "p50"), "itl_p99": pct("inter_token_latency_ms", "p99"),
-            "output_tok_s": float(m["output_tokens_per_second"]["successful"]["mean"]),
-            "ok": m["request_totals"]["successful"], "errored": m["request_totals"]["errored"]}
 
 
 def main() -> int:
@@ -110,9 +85,8 @@ def run_servers(args: argparse.Namespace, model_dir: str, rates: list[float],
                         else start_vllm_serve(model_dir, "SmolLM2-135M-Instruct", 2048, 256, own_session=own))
             url = srv.http_url if name == "pagedserve" else srv.url
             try:
-                # Warm-up, not counted: the first requests of a fresh server pay one-time costs.
-                guidellm_run(args.guidellm, url, model_dir, "kind=concurrent,streams=8", "kind=max_requests,count=16",
-                             args.prompt_tokens, args.output_tokens, Path(tmp) / f"{name}{tag}-warm.json")
+                warm_up(args.guidellm, url, model_dir, args.prompt_tokens, args.output_tokens,
+                        Path(tmp) / f"{name}{tag}-warm.json")
                 for rate in rates:
                     b = guidellm_run(args.guidellm, url, model_dir, f"kind=constant,rate={rate}",
                                      f"kind=max_duration,seconds={args.seconds}", args.prompt_tokens,

@@ -13,15 +13,14 @@ cannot make shorter.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from pagedserve.bench.guidellm import guidellm_run, warm_up
 from pagedserve.common.default_model import resolve_model
 
 arrivals: list[tuple[float, int]] = []  # (arrival time, max_tokens)
@@ -69,15 +68,6 @@ class NullHandler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-def bench_script() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "bench-guidellm-peers.py"
-    spec = importlib.util.spec_from_file_location("bench_guidellm_peers", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--guidellm", required=True)
@@ -86,17 +76,15 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=4)
     p.add_argument("--show", type=int, default=3, help="requests shown per run")
     args = p.parse_args()
-    g = bench_script()
     model_dir = resolve_model(None)
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), NullHandler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    g.guidellm_run(args.guidellm, url, model_dir, "kind=concurrent,streams=8", "kind=max_requests,count=16",
-                   64, 64, Path("/tmp/guidellm-null-warm.json"))
+    warm_up(args.guidellm, url, model_dir, 64, 64, Path("/tmp/guidellm-null-warm.json"))
     worst: list[float] = []
     for run in range(args.runs):
         arrivals.clear()
-        bench = g.guidellm_run(args.guidellm, url, model_dir, f"kind=constant,rate={args.rate}",
+        bench = guidellm_run(args.guidellm, url, model_dir, f"kind=constant,rate={args.rate}",
                                f"kind=max_duration,seconds={args.seconds}", 64, 64, Path("/tmp/guidellm-null.json"))
         reqs = sorted(bench["requests"]["successful"], key=lambda r: r["info"]["timings"]["request_start"])
         got = sorted(t for t, _ in arrivals)

@@ -13,14 +13,13 @@ around the first request (/proc/stat).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import threading
 import time
 from pathlib import Path
-from types import ModuleType
 
+from pagedserve.bench.guidellm import guidellm_run, warm_up
 from pagedserve.bench.serve_proc import start_serve
 from pagedserve.common.default_model import resolve_model
 
@@ -28,15 +27,6 @@ STEP = re.compile(r"pagedserve gpuworker: step of (\d+) seqs, (\d+) tokens: wall
                   r"preempted (\d+), waited (\d+), faults (\d+); ended ([\d.]+)")
 RECEIVED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) frontend INFO Received request")
 SWITCH = re.compile(r"pagedserve gpuworker: (\d+) -> (\d+) threads")
-
-
-def bench_script() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "bench-guidellm-peers.py"
-    spec = importlib.util.spec_from_file_location("bench_guidellm_peers", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main() -> None:
@@ -48,7 +38,6 @@ def main() -> None:
     p.add_argument("--show-steps", type=int, default=30)
     p.add_argument("--own-session", action="store_true", help="the server in a session of its own")
     args = p.parse_args()
-    g = bench_script()
     model_dir = resolve_model(None)
     os.environ["PAGEDSERVE_STEP_TRACE"] = "1"
     srv = start_serve("--device cpu --dtype float32 --kv-cache-memory 1GiB --enable-log-requests".split(),
@@ -70,13 +59,12 @@ def main() -> None:
                     runnable.append(int(f.read().split()[3].split("/")[0]))
 
     try:
-        g.guidellm_run(args.guidellm, srv.http_url, model_dir, "kind=concurrent,streams=8",
-                       "kind=max_requests,count=16", 64, 64, Path("/tmp/guidellm-start-warm.json"))
+        warm_up(args.guidellm, srv.http_url, model_dir, 64, 64, Path("/tmp/guidellm-start-warm.json"))
         first_step = len(srv.log)
         t0 = time.time()
         th = threading.Thread(target=sample, daemon=True)
         th.start()
-        bench = g.guidellm_run(args.guidellm, srv.http_url, model_dir, f"kind=constant,rate={args.rate}",
+        bench = guidellm_run(args.guidellm, srv.http_url, model_dir, f"kind=constant,rate={args.rate}",
                                f"kind=max_duration,seconds={args.seconds}", 64, 64,
                                Path("/tmp/guidellm-start-run.json"))
         done.set()
