@@ -11,6 +11,7 @@ import math
 import statistics
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from contextlib import redirect_stdout
 from typing import Any
 
@@ -169,12 +170,13 @@ def test_burst_beyond_the_queue_bound_is_refused_at_once(sim: tuple[Server, str]
 
 # ---------------------------------------------------------------- bench serving
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_bench_serving_ci_size(sim: tuple[Server, str], protocol: str) -> None:
+def test_bench_serving_ci_size(sim: tuple[Server, str], protocol: str, tmp_path: Path) -> None:
     from pagedserve.bench.serving import main
 
     server, http = sim
+    rows_path = tmp_path / "detailed.jsonl"
     argv = ["--addr", server.addr, "--workload", "alpaca", "--num-requests", "24", "--rate", "20",
-            "--max-total-len", "160", "--seed", "3"]
+            "--max-total-len", "160", "--seed", "3", "--save-detailed", str(rows_path)]
     if protocol == "http":
         argv += ["--http", http]
     buf = io.StringIO()
@@ -191,4 +193,11 @@ def test_bench_serving_ci_size(sim: tuple[Server, str], protocol: str) -> None:
     assert res["ttft_ms"]["p50"] <= res["e2e_ms"]["p50"]
     assert 0 < res["goodput_rps"] <= res["request_throughput"] + 1e-9
     assert res["output_token_throughput"] > 0 and not math.isnan(res["achieved_over_offered"])
+    # The per-request rows are the requests the quantiles came from.
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    assert [r["index"] for r in rows] == list(range(24)) and {r["server"] for r in rows} == {"pagedserve"}
+    ok = [r for r in rows if r["outcome"] == "ok"]
+    assert len(ok) == res["completed"] and min(r["sent_ms"] for r in rows) == 0.0
+    assert abs(statistics.median(r["ttft_ms"] for r in ok) - res["ttft_ms"]["p50"]) < 0.01
+    assert all(0 < r["ttft_ms"] <= r["e2e_ms"] for r in ok)
     assert_all_free(server)

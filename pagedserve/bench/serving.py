@@ -143,6 +143,24 @@ async def run_load(args: argparse.Namespace, work: list[tuple[list[int], int]], 
     return recs, time.perf_counter() - t0
 
 
+def detailed(recs: list[Record], server: str) -> list[dict[str, Any]]:
+    """One row per request, in ms, send times from the first send: what the
+    quantiles hide (which requests make the tail, and what they asked)."""
+    def ms(t: float | None, since: float) -> float | None:
+        return None if t is None else round((t - since) * 1000.0, 3)
+
+    t0 = min((r.sent for r in recs), default=0.0)
+    return [{"server": server, "index": i, "prompt_len": r.prompt_len, "output_len": r.output_len,
+             "outcome": r.outcome, "sent_ms": ms(r.sent, t0), "ttft_ms": ms(r.first, r.sent),
+             "e2e_ms": ms(r.done, r.sent)} for i, r in enumerate(recs)]
+
+
+def _save_detailed(path: str | None, recs: list[Record], server: str, mode: str) -> None:
+    if path is not None:
+        with open(path, mode) as f:
+            f.writelines(json.dumps(row) + "\n" for row in detailed(recs, server))
+
+
 def _pct(xs: list[float]) -> dict[str, float | None]:
     if not xs:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
@@ -238,6 +256,7 @@ def _peer_run(args: argparse.Namespace, info: Any, work: list[tuple[list[int], i
         _warm_up(srv.url, info.model_name, None)
         recs, duration = asyncio.run(run_load(peer_args, work, arrivals, info.model_name))
         peer = {**summarize(recs, duration, peer_args, False), "server": "vllm"}
+        _save_detailed(args.save_detailed, recs, "vllm", "a")
     finally:
         srv.stop()
     _print(peer, args, "vllm")
@@ -266,6 +285,9 @@ def main(argv: list[str]) -> int:
                    help="scale each request so prompt + output fit (default: the model's max_model_len)")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--save-detailed", default=None, metavar="PATH",
+                   help="write one JSON line per request and server (prompt and output length, send time, "
+                        "TTFT, end-to-end; ms)")
     args = p.parse_args(argv)
     server: ServeProc | None = None
     if args.launch is not None:
@@ -288,6 +310,7 @@ def main(argv: list[str]) -> int:
             _warm_up(args.http, info.model_name, args.api_key)  # both servers get one, so neither pays a first call
         recs, duration = asyncio.run(run_load(args, work, arrivals, info.model_name))
         res = summarize(recs, duration, args, simulated)
+        _save_detailed(args.save_detailed, recs, "pagedserve", "w")
         _print(res, args, "pagedserve")
         print(json.dumps(res))
         if args.peer:
