@@ -28,13 +28,13 @@ an unrounded run. Formats:
   sinkN+...         the first N positions of each sequence kept unrounded (the
                     attention sink; a kernel would need a side buffer for them)
 
-    .venv/bin/python scripts/experiments/kv_quant_granularity.py [K,V ...]
+    .venv/bin/python scripts/experiments/kv_quant_granularity.py [K,V ...] [--second-set] [--tokens N]
 """
 from __future__ import annotations
 
 from typing import Any
 
-import sys
+import argparse
 
 import torch
 
@@ -135,16 +135,21 @@ def main() -> None:
     cpu_ops.rope_and_cache = lambda *a, **k: False  # type: ignore[assignment]
     layers.PagedAttention.forward = forward  # type: ignore[method-assign]
     layers.PagedAttention.forward_rotary = forward_rotary  # type: ignore[method-assign]
-    cases = [tuple(None if f == "fp32" else f for f in a.split(",")) for a in sys.argv[1:]] or CASES
-    batch = kv_fp8.prompts(64)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cases", nargs="*", metavar="K,V", help="formats of K and V (fp32: unrounded); default: CASES")
+    ap.add_argument("--second-set", action="store_true", help="prompts 64-127 of kv_fp8.prompts, not 0-63")
+    ap.add_argument("--tokens", type=int, default=16)
+    args = ap.parse_args()
+    cases = [tuple(None if f == "fp32" else f for f in a.split(",")) for a in args.cases] or CASES
+    batch = kv_fp8.prompts(128)[64:] if args.second_set else kv_fp8.prompts(64)
     with torch.inference_mode():
-        base = kv_fp8.greedy("auto", batch, 16)
+        base = kv_fp8.greedy("auto", batch, args.tokens)
         for k_fmt, v_fmt in cases:
             current["k"], current["v"] = k_fmt, v_fmt
             layer_scales.clear()
             layer_means.clear()
             calls["n"] = 0
-            r = kv_fp8.compare(base, kv_fp8.greedy("auto", batch, 16))
+            r = kv_fp8.compare(base, kv_fp8.greedy("auto", batch, args.tokens))
             if calls["n"] == 0:
                 raise RuntimeError("the model never called the patched attention: nothing was rounded")
             print(f"K {k_fmt or 'fp32'}, V {v_fmt or 'fp32'}: {r['identical_count']}/64 identical, mean |dlogprob| "
