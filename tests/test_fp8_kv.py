@@ -9,6 +9,7 @@ acceptance 4). The KV-limited throughput run is opt-in (PAGEDSERVE_BENCH_FP8=1).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -231,3 +232,18 @@ def test_kv_limited_workload_is_faster_with_fp8() -> None:
     r = throughput("16MiB", 32, 64, rounds=1)
     print(r)
     assert r["ratio"] >= 1.5, r
+
+
+def test_bench_kv_fp8_accuracy_in_the_models_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--dtype bfloat16``: the model and the baseline pool in bf16 (the
+    acceptance's 16-bit KV), not the fp32 run under another label."""
+    from pagedserve.bench.kv_fp8 import accuracy, main
+
+    assert main(["--dtype", "bfloat16", "--skip-throughput", "--requests", "4", "--accuracy-tokens", "3",
+                 "--kinds", "fp8"]) == 0
+    out = capsys.readouterr().out
+    res = json.loads(out.strip().splitlines()[-1])
+    assert "SmolLM2 bfloat16, vs a bfloat16 KV pool" in out and res["accuracy_dtype"] == "bfloat16"
+    bf16 = res["accuracy"]["fp8"]
+    assert bf16["requests"] == 4 and bf16 == accuracy(4, 3, ["fp8"], "bfloat16")["fp8"]
+    assert bf16["mean_abs_dlogprob"] != accuracy(4, 3, ["fp8"], "float32")["fp8"]["mean_abs_dlogprob"]

@@ -131,6 +131,8 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=64, help="requests of the accuracy run")
     p.add_argument("--accuracy-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the model's dtype in the accuracy run; the baseline pool has it (bfloat16: a 16-bit KV)")
     p.add_argument("--kinds", default="fp8,fp8_e5m2", help="fp8 pools compared for accuracy")
     p.add_argument("--kv-cache-memory", default="16MiB", help="the throughput workload's KV memory")
     p.add_argument("--tp-requests", type=int, default=32, help="requests of the throughput workload")
@@ -142,9 +144,10 @@ def main(argv: list[str]) -> int:
     result: dict[str, object] = {"bench": "kv_fp8", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
                                  "torch": torch.__version__}
     if not args.skip_accuracy:
-        acc = accuracy(args.requests, args.accuracy_tokens, args.kinds.split(","))
-        result["accuracy"] = acc
-        print(f"greedy, {args.requests} requests x {args.accuracy_tokens} tokens, SmolLM2 fp32, vs an fp32 KV pool")
+        acc = accuracy(args.requests, args.accuracy_tokens, args.kinds.split(","), args.dtype)
+        result["accuracy"], result["accuracy_dtype"] = acc, args.dtype
+        print(f"greedy, {args.requests} requests x {args.accuracy_tokens} tokens, SmolLM2 {args.dtype}, "
+              f"vs a {args.dtype} KV pool")
         print(f"{'kv dtype':<10}{'identical':>12}{'mean |dlp|':>12}{'max |dlp|':>12}")
         for kind, r in acc.items():
             print(f"{kind:<10}{r['identical_count']:>8}/{r['requests']:<3}{r['mean_abs_dlogprob']:>12.2e}"
