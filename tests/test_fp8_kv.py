@@ -236,14 +236,38 @@ def test_kv_limited_workload_is_faster_with_fp8() -> None:
 
 def test_bench_kv_fp8_accuracy_in_the_models_dtype(capsys: pytest.CaptureFixture[str]) -> None:
     """``--dtype bfloat16``: the model and the baseline pool in bf16 (the
-    acceptance's 16-bit KV), not the fp32 run under another label."""
+    acceptance's 16-bit KV), not the fp32 run under another label; and
+    ``--close-top`` reaches the close count."""
     from pagedserve.bench.kv_fp8 import accuracy, main
 
     assert main(["--dtype", "bfloat16", "--skip-throughput", "--requests", "4", "--accuracy-tokens", "3",
-                 "--kinds", "fp8"]) == 0
+                 "--kinds", "fp8", "--close-top", "2"]) == 0
     out = capsys.readouterr().out
     res = json.loads(out.strip().splitlines()[-1])
     assert "SmolLM2 bfloat16, vs a bfloat16 KV pool" in out and res["accuracy_dtype"] == "bfloat16"
     bf16 = res["accuracy"]["fp8"]
-    assert bf16["requests"] == 4 and bf16 == accuracy(4, 3, ["fp8"], "bfloat16")["fp8"]
+    assert bf16["requests"] == 4 and bf16 == accuracy(4, 3, ["fp8"], "bfloat16", top=2)["fp8"]
+    assert bf16["identical_count"] <= bf16["close_count"] <= 4 and bf16["close_top"] == 2
     assert bf16["mean_abs_dlogprob"] != accuracy(4, 3, ["fp8"], "float32")["fp8"]["mean_abs_dlogprob"]
+
+
+def test_logprobs_close_is_vllms_check() -> None:
+    """Identical runs pass; a run that differs passes only when, at its first
+    difference, each token is in the other's top logprobs; later positions are
+    not compared (the contexts differ there)."""
+    from pagedserve.bench.kv_fp8 import Run, logprobs_close
+
+    def run(tokens: list[int], tops: list[list[int]]) -> Run:
+        return Run(tokens, [0.0] * len(tokens), [{t: -1.0 for t in top} for top in tops])
+
+    base = run([1, 2, 3], [[1, 9], [2, 5], [3]])
+    cases = {
+        "identical": (run([1, 2, 3], [[1], [2], [3]]), 1),
+        "each in the other's top": (run([1, 5, 7], [[1], [5, 2], [7]]), 1),
+        "only one way": (run([1, 5, 7], [[1], [5], [7]]), 0),
+        "not in the base's top": (run([1, 6, 3], [[1], [6, 2], [3]]), 0),
+        "first difference decides": (run([9, 8, 8], [[9, 1], [8], [8]]), 1),
+    }
+    for name, (other, want) in cases.items():
+        assert logprobs_close([base], [other]) == want, name
+    assert logprobs_close([base] * 5, [o for o, _ in cases.values()]) == 3

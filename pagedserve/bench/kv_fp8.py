@@ -3,9 +3,11 @@ in accuracy and gives in throughput, against the model's own dtype, in one run.
 
 accuracy    greedy tokens of N requests on the embedded SmolLM2 (an in-process
             worker, every request in one batch), fp8 KV against an
-            unquantized KV pool: requests whose tokens are identical, and
-            |delta logprob| of the chosen tokens over the positions where
-            both runs still agree (mean, max).
+            unquantized KV pool: requests whose tokens are identical;
+            requests vLLM's own fp8 tests would pass (identical, or at the
+            first difference each token is in the other's top 8 logprobs,
+            their ``check_logprobs_close``); and |delta logprob| of the chosen
+            tokens over the positions where both runs still agree (mean, max).
 throughput  a workload limited by KV memory: the real four processes, all
             requests in flight over gRPC, a small ``--kv-cache-memory`` so
             an fp32 pool holds a few sequences and preempts (recompute) often;
@@ -19,6 +21,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +31,7 @@ from pagedserve.common.default_model import resolve_model
 from pagedserve.common.messages.types import SamplingParams
 from pagedserve.common.messages.worker import BlockDiff, ExecuteStep, NewSeq, ScheduledSeq
 
+CLOSE_TOP = 8  # NUM_LOG_PROBS of vLLM's fp8 KV tests
 TOPICS = ["the sea", "a paged memory allocator", "the French revolution", "bread baking", "black holes",
           "a KV cache", "chess openings", "volcanoes"]
 ASKS = ["Write two sentences about {}.", "Explain {} to a child.", "List three facts about {}.",
@@ -70,19 +74,49 @@ def decode_step(step_id: int, num_seqs: int) -> ExecuteStep:
     return ExecuteStep(step_id, [], [], [ScheduledSeq(i, 1) for i in range(num_seqs)], [])
 
 
+@dataclass
+class Run:
+    """One request's greedy tokens, their logprobs, and the top logprobs at
+    each position (empty dicts unless asked for)."""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[dict[int, float]] = field(default_factory=list)
+
+
+def greedy_runs(kv_cache_dtype: str, batch: list[list[int]], max_tokens: int, dtype: str = "float32",
+                block_size: int = 16, model: str | None = None, backend: str = "auto", top: int = 0) -> list[Run]:
+    """Greedy, all prompts in one batch, on an in-process worker with the given
+    KV pool (model None: SmolLM2); ``top`` logprobs kept at each position."""
+    runner, step = batch_runner(kv_cache_dtype, batch, max_tokens, dtype, block_size, model, backend, top)
+    out = [Run() for _ in batch]
+    for s in range(max_tokens):
+        for t in runner.execute(step).sampled:
+            r = out[t.seq_id]
+            r.tokens.append(t.token_id)
+            r.logprobs.append(t.logprob if t.logprob is not None else float("nan"))
+            r.tops.append(dict(t.top_logprobs))
+        step = decode_step(s + 1, len(batch))
+    return out
+
+
 def greedy(kv_cache_dtype: str, batch: list[list[int]], max_tokens: int, dtype: str = "float32",
            block_size: int = 16, model: str | None = None,
            backend: str = "auto") -> list[tuple[list[int], list[float]]]:
-    """(tokens, chosen logprobs) per prompt: greedy, all prompts in one batch,
-    on an in-process worker with the given KV pool (model None: SmolLM2)."""
-    runner, step = batch_runner(kv_cache_dtype, batch, max_tokens, dtype, block_size, model, backend)
-    out: list[tuple[list[int], list[float]]] = [([], []) for _ in batch]
-    for s in range(max_tokens):
-        for t in runner.execute(step).sampled:
-            out[t.seq_id][0].append(t.token_id)
-            out[t.seq_id][1].append(t.logprob if t.logprob is not None else float("nan"))
-        step = decode_step(s + 1, len(batch))
-    return out
+    """(tokens, chosen logprobs) per prompt, as ``greedy_runs``."""
+    return [(r.tokens, r.logprobs) for r in greedy_runs(kv_cache_dtype, batch, max_tokens, dtype, block_size,
+                                                        model, backend)]
+
+
+def logprobs_close(base: list[Run], other: list[Run]) -> int:
+    """Requests that vLLM's own quantization tests accept (``check_logprobs_close``
+    over ``generate_greedy_logprobs``): identical, or at the first differing
+    position each run's token is among the other's top logprobs; after that the
+    contexts differ, so nothing later is compared."""
+    n = 0
+    for b, o in zip(base, other):
+        i = next((i for i, (x, y) in enumerate(zip(b.tokens, o.tokens)) if x != y), None)
+        n += i is None or (o.tokens[i] in b.tops[i] and b.tokens[i] in o.tops[i])
+    return n
 
 
 def compare(base: list[tuple[list[int], list[float]]],
@@ -100,11 +134,19 @@ def compare(base: list[tuple[list[int], list[float]]],
             "mean_abs_dlogprob": statistics.fmean(deltas), "max_abs_dlogprob": max(deltas), "positions": len(deltas)}
 
 
-def accuracy(n: int, max_tokens: int, kinds: list[str], dtype: str = "float32") -> dict[str, dict[str, float]]:
+def accuracy(n: int, max_tokens: int, kinds: list[str], dtype: str = "float32",
+             top: int = CLOSE_TOP) -> dict[str, dict[str, float]]:
+    """``compare`` of each fp8 pool against the model's dtype, plus
+    ``close_count``: requests ``logprobs_close`` accepts with ``top`` logprobs."""
     batch = prompts(n)
+    out: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
-        base = greedy("auto", batch, max_tokens, dtype)
-        return {kind: compare(base, greedy(kind, batch, max_tokens, dtype)) for kind in kinds}
+        base = greedy_runs("auto", batch, max_tokens, dtype, top=top)
+        for kind in kinds:
+            runs = greedy_runs(kind, batch, max_tokens, dtype, top=top)
+            out[kind] = {**compare([(r.tokens, r.logprobs) for r in base], [(r.tokens, r.logprobs) for r in runs]),
+                         "close_count": logprobs_close(base, runs), "close_top": top}
+    return out
 
 
 def throughput(kv_cache_memory: str, n: int, max_tokens: int, rounds: int, kind: str = "fp8",
@@ -134,6 +176,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the model's dtype in the accuracy run; the baseline pool has it (bfloat16: a 16-bit KV)")
     p.add_argument("--kinds", default="fp8,fp8_e5m2", help="fp8 pools compared for accuracy")
+    p.add_argument("--close-top", type=int, default=CLOSE_TOP,
+                   help="top logprobs of the close count (vLLM's fp8 tests: 8; 2: divergences that swap the top two)")
     p.add_argument("--kv-cache-memory", default="16MiB", help="the throughput workload's KV memory")
     p.add_argument("--tp-requests", type=int, default=32, help="requests of the throughput workload")
     p.add_argument("--tokens", type=int, default=64, help="output tokens per request, throughput workload")
@@ -144,14 +188,17 @@ def main(argv: list[str]) -> int:
     result: dict[str, object] = {"bench": "kv_fp8", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
                                  "torch": torch.__version__}
     if not args.skip_accuracy:
-        acc = accuracy(args.requests, args.accuracy_tokens, args.kinds.split(","), args.dtype)
+        acc = accuracy(args.requests, args.accuracy_tokens, args.kinds.split(","), args.dtype, args.close_top)
         result["accuracy"], result["accuracy_dtype"] = acc, args.dtype
         print(f"greedy, {args.requests} requests x {args.accuracy_tokens} tokens, SmolLM2 {args.dtype}, "
               f"vs a {args.dtype} KV pool")
-        print(f"{'kv dtype':<10}{'identical':>12}{'mean |dlp|':>12}{'max |dlp|':>12}")
+        top = args.close_top
+        print(f"{'kv dtype':<10}{'identical':>12}{'close@' + str(top):>12}{'mean |dlp|':>12}{'max |dlp|':>12}")
         for kind, r in acc.items():
-            print(f"{kind:<10}{r['identical_count']:>8}/{r['requests']:<3}{r['mean_abs_dlogprob']:>12.2e}"
-                  f"{r['max_abs_dlogprob']:>12.2e}")
+            print(f"{kind:<10}{r['identical_count']:>8}/{r['requests']:<3}{r['close_count']:>8}/{r['requests']:<3}"
+                  f"{r['mean_abs_dlogprob']:>12.2e}{r['max_abs_dlogprob']:>12.2e}")
+        print(f"close@{top}: identical, or at the first difference each token is in the other's top {top} "
+              f"(vLLM's check_logprobs_close)")
     if not args.skip_throughput:
         tp = throughput(args.kv_cache_memory, args.tp_requests, args.tokens, args.rounds)
         result["throughput"] = tp
