@@ -220,6 +220,8 @@ def test_smollm2_greedy_with_fp8_kv() -> None:
     r = accuracy(64, 16, ["fp8"])["fp8"]
     print(r)
     assert r["identical"] >= 0.35 and r["mean_abs_dlogprob"] < 0.07 and r["max_abs_dlogprob"] < 1.0, r
+    # vLLM's own bar for its fp8 KV (check_logprobs_close, 8 logprobs): measured 64 / 64.
+    assert r["close_count"] >= 62, r
     if r["identical"] < 0.9:
         pytest.xfail(f"acceptance 4 wants >= 90 % identical; fp8 e4m3 gives {r['identical']:.0%} on SmolLM2-135M")
 
