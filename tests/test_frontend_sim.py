@@ -11,8 +11,8 @@ import math
 import statistics
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from contextlib import redirect_stdout
+from pathlib import Path
 from typing import Any
 
 import grpc

@@ -1,6 +1,6 @@
 """Running guidellm (its own venv, its own request bodies) against an OpenAI-style
 server: one `guidellm run` to a JSON report, the untimed warm-up before timed
-runs, and the figures issue 23 compares. Used by `scripts/bench-guidellm-peers.py`
+runs, the figures issue 23 compares, and each request's send time and TTFT. Used by `scripts/bench-guidellm-peers.py`
 and the experiments beside it."""
 from __future__ import annotations
 
@@ -41,3 +41,11 @@ def figures(bench: dict[str, Any]) -> dict[str, float]:
             "itl_p50": pct("inter_token_latency_ms", "p50"), "itl_p99": pct("inter_token_latency_ms", "p99"),
             "output_tok_s": float(m["output_tokens_per_second"]["successful"]["mean"]),
             "ok": m["request_totals"]["successful"], "errored": m["request_totals"]["errored"]}
+
+
+def sends_and_ttfts(bench: dict[str, Any]) -> list[tuple[float, float]]:
+    """(send time, Unix s; TTFT, ms) of each successful request of a
+    ``guidellm_run`` report, in send order, from guidellm's own timestamps."""
+    timings = sorted((r["info"]["timings"] for r in bench["requests"]["successful"]),
+                     key=lambda t: t["request_start"])
+    return [(t["request_start"], (t["first_token_iteration"] - t["request_start"]) * 1000) for t in timings]

@@ -103,8 +103,12 @@ def greedy(kv_cache_dtype: str, batch: list[list[int]], max_tokens: int, dtype: 
            block_size: int = 16, model: str | None = None,
            backend: str = "auto") -> list[tuple[list[int], list[float]]]:
     """(tokens, chosen logprobs) per prompt, as ``greedy_runs``."""
-    return [(r.tokens, r.logprobs) for r in greedy_runs(kv_cache_dtype, batch, max_tokens, dtype, block_size,
-                                                        model, backend)]
+    return pairs(greedy_runs(kv_cache_dtype, batch, max_tokens, dtype, block_size, model, backend))
+
+
+def pairs(runs: list[Run]) -> list[tuple[list[int], list[float]]]:
+    """(tokens, chosen logprobs) of each run, what ``compare`` reads."""
+    return [(r.tokens, r.logprobs) for r in runs]
 
 
 def logprobs_close(base: list[Run], other: list[Run]) -> int:
@@ -144,8 +148,8 @@ def accuracy(n: int, max_tokens: int, kinds: list[str], dtype: str = "float32",
         base = greedy_runs("auto", batch, max_tokens, dtype, top=top)
         for kind in kinds:
             runs = greedy_runs(kind, batch, max_tokens, dtype, top=top)
-            out[kind] = {**compare([(r.tokens, r.logprobs) for r in base], [(r.tokens, r.logprobs) for r in runs]),
-                         "close_count": logprobs_close(base, runs), "close_top": top}
+            out[kind] = {**compare(pairs(base), pairs(runs)), "close_count": logprobs_close(base, runs),
+                         "close_top": top}
     return out
 
 

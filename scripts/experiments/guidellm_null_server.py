@@ -20,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from pagedserve.bench.guidellm import guidellm_run, warm_up
+from pagedserve.bench.guidellm import guidellm_run, sends_and_ttfts, warm_up
 from pagedserve.common.default_model import resolve_model
 
 arrivals: list[tuple[float, int]] = []  # (arrival time, max_tokens)
@@ -86,15 +86,13 @@ def main() -> None:
         arrivals.clear()
         bench = guidellm_run(args.guidellm, url, model_dir, f"kind=constant,rate={args.rate}",
                                f"kind=max_duration,seconds={args.seconds}", 64, 64, Path("/tmp/guidellm-null.json"))
-        reqs = sorted(bench["requests"]["successful"], key=lambda r: r["info"]["timings"]["request_start"])
+        reqs = sends_and_ttfts(bench)
         got = sorted(t for t, _ in arrivals)
-        ttfts = [(r["info"]["timings"]["first_token_iteration"] - r["info"]["timings"]["request_start"]) * 1000
-                 for r in reqs]
+        ttfts = [ttft for _, ttft in reqs]
         worst.append(max(ttfts))
         print(f"run {run + 1}: {len(reqs)} requests ({len(got)} arrived here), TTFT max {max(ttfts):.0f} ms, median "
               f"{sorted(ttfts)[len(ttfts) // 2]:.0f} ms", flush=True)
-        for r, ttft, arrived in list(zip(reqs, ttfts, got))[:args.show]:
-            sent = r["info"]["timings"]["request_start"]
+        for (sent, ttft), arrived in list(zip(reqs, got))[:args.show]:
             print(f"  TTFT {ttft:6.0f} ms, of which guidellm's send to arrival here {(arrived - sent) * 1000:6.0f} ms",
                   flush=True)
     httpd.shutdown()

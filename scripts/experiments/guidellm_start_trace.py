@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from pagedserve.bench.guidellm import guidellm_run, warm_up
+from pagedserve.bench.guidellm import guidellm_run, sends_and_ttfts, warm_up
 from pagedserve.bench.serve_proc import start_serve
 from pagedserve.common.default_model import resolve_model
 
@@ -72,17 +72,15 @@ def main() -> None:
         lines = srv.log[first_step:]
     finally:
         srv.stop()
-    reqs = sorted(bench["requests"]["successful"], key=lambda r: r["info"]["timings"]["request_start"])
-    t_first = reqs[0]["info"]["timings"]["request_start"]
+    reqs = sends_and_ttfts(bench)
+    t_first = reqs[0][0]
     received = sorted(time.mktime(time.strptime(m[1], "%Y-%m-%d %H:%M:%S")) + int(m[2]) / 1000
                       for line in lines if (m := RECEIVED.search(line)) is not None)
     print(f"server nice {args.nice}, launcher in {'its own' if args.own_session else 'this'} session; guidellm requests "
           "(send time after guidellm was started, TTFT, when the frontend logged it):")
-    for i, r in enumerate(reqs):
-        t = r["info"]["timings"]
-        got = f"  frontend +{(received[i] - t['request_start']) * 1000:5.0f} ms" if i < len(received) else ""
-        print(f"  sent {t['request_start'] - t0:6.2f} s ({(t['request_start'] - t_first) * 1000:6.0f} ms after the first)"
-              f"  TTFT {(t['first_token_iteration'] - t['request_start']) * 1000:6.0f} ms{got}")
+    for i, (sent, ttft) in enumerate(reqs):
+        got = f"  frontend +{(received[i] - sent) * 1000:5.0f} ms" if i < len(received) else ""
+        print(f"  sent {sent - t0:6.2f} s ({(sent - t_first) * 1000:6.0f} ms after the first)  TTFT {ttft:6.0f} ms{got}")
     print(f"first {args.show_steps} steps of the run (runnable tasks on the machine, most during the run: "
           f"{max(runnable, default=0)}):")
     shown = 0

@@ -152,7 +152,7 @@ def main() -> None:
             r = kv_fp8.compare(base, kv_fp8.greedy("auto", batch, args.tokens))
             if calls["n"] == 0:
                 raise RuntimeError("the model never called the patched attention: nothing was rounded")
-            print(f"K {k_fmt or 'fp32'}, V {v_fmt or 'fp32'}: {r['identical_count']}/64 identical, mean |dlogprob| "
+            print(f"K {k_fmt or 'fp32'}, V {v_fmt or 'fp32'}: {r['identical_count']}/{r['requests']} identical, mean |dlogprob| "
                   f"{r['mean_abs_dlogprob']:.4f}, max {r['max_abs_dlogprob']:.3f}", flush=True)
 
 
