@@ -84,7 +84,7 @@ class FusedStack:
             attn, mlp = layer.self_attn, layer.mlp
             packs = [_panels(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if (attn.attn.backend.name != "torch" or None in packs or kv_code(dtype, pool.dtype) is None
+            if (attn.attn.backend.name != "torch" or attn.attn.extras or attn.attn.sinks is not None or None in packs or kv_code(dtype, pool.dtype) is None
                     or any(c.dtype != pool.dtype or c.shape[1:] != (pool.shape[1], attn.num_kv_heads, attn.head_dim)
                            or not _usable(c, pool.dtype) for c in (k_cache, v_cache))
                     or any(n.eps != eps or not _usable(n.weight, dtype) for n in norms)

@@ -36,6 +36,19 @@ class AttentionMetadata:
     max_query_len: int
 
 
+def layer_sliding_window(cfg: Any, layer: int) -> int | None:
+    """Layer ``layer``'s sliding window, or None for full attention: transformers
+    5's ``layer_types`` where the config has them (Gemma 3, gpt-oss, Qwen2/3 with
+    use_sliding_window), else the config's one window for every layer (Mistral)."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return int(window) if types[layer] == "sliding_attention" else None
+    return int(window)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -114,13 +127,25 @@ class PagedAttention(nn.Module):
     """Writes this step's K/V into the pool through the slot mapping, then
     attends from the pool through the block tables (new tokens included).
     ``k_scale`` / ``v_scale``: this layer's fp8 KV scales (kernels/fp8.py; 1.0,
-    on the pool's device, set by the runner), unused by unquantized pools."""
+    on the pool's device, set by the runner), unused by unquantized pools.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    ``sliding_window`` (this layer's, None for a full layer), ``softcap`` and
+    ``sinks`` (a learned logit per head of this rank, loaded as ``sinks``)
+    are what some families add; ``kernels/reference.py`` defines them."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 sliding_window: int | None = None, softcap: float | None = None, sinks: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.backend: AttentionBackend = get_attention_backend("torch", "cpu")  # the runner sets the real one
         self.k_scale, self.v_scale = unit_scale("cpu"), unit_scale("cpu")
+        self.sliding_window, self.softcap = sliding_window, softcap
+        self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32)) if sinks else None
+        self.extras: dict[str, Any] = {}  # only the features this layer uses reach the backend
+        if sliding_window is not None:
+            self.extras["sliding_window"] = sliding_window
+        if softcap is not None:
+            self.extras["softcap"] = softcap
 
     def forward_rotary(
         self,
@@ -160,6 +185,7 @@ class PagedAttention(nn.Module):
         out = self.backend.paged_attention(
             q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
             max_seq_len=meta.max_seq_len, max_query_len=meta.max_query_len, k_scale=self.k_scale, v_scale=self.v_scale,
+            **self.extras, **({} if self.sinks is None else {"sinks": self.sinks}),
         )
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 

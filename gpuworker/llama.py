@@ -14,7 +14,14 @@ from torch import nn
 
 from pagedserve.gpuworker.cpu_fused import FusedStack
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, head_range, split_range
-from pagedserve.gpuworker.layers import AttentionMetadata, PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
+from pagedserve.gpuworker.layers import (
+    AttentionMetadata,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    layer_sliding_window,
+    silu_and_mul,
+)
 from pagedserve.gpuworker.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -38,7 +45,8 @@ class LlamaAttention(nn.Module):
     """Column-parallel QKV (this rank's heads), paged attention over this
     rank's KV heads, row-parallel output projection."""
 
-    def __init__(self, cfg: Any, head_dim: int, qkv_bias: bool, o_bias: bool, tp: TPGroup) -> None:
+    def __init__(self, cfg: Any, head_dim: int, qkv_bias: bool, o_bias: bool, tp: TPGroup,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         total_heads = cfg.num_attention_heads
         total_kv = getattr(cfg, "num_key_value_heads", None) or total_heads
@@ -46,7 +54,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         self.qkv_proj = qkv_linear(cfg.hidden_size, head_dim, total_heads, total_kv, qkv_bias, tp)
         self.o_proj = RowParallelLinear(total_heads * head_dim, cfg.hidden_size, (q0 * head_dim, self.num_heads * head_dim), o_bias, tp)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, sliding_window=sliding_window)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache, meta: AttentionMetadata
@@ -65,9 +73,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, head_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool, tp: TPGroup) -> None:
+    def __init__(self, cfg: Any, head_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool, tp: TPGroup,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, head_dim, qkv_bias, o_bias, tp)
+        self.self_attn = LlamaAttention(cfg, head_dim, qkv_bias, o_bias, tp, sliding_window)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -88,8 +97,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama; Qwen2 is this plus Q/K/V bias; Mistral adds a sliding window that
-    the runner refuses to exceed (max_model_len <= window)."""
+    """Llama; Qwen2 is this plus Q/K/V bias; Mistral (and Qwen2 with
+    use_sliding_window) add sliding-window layers."""
 
     # checkpoint name -> (fused module, shard index)
     stacked = {
@@ -115,8 +124,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.head_dim, qkv_bias, attn_bias, bool(getattr(cfg, "mlp_bias", False)), tp)
-            for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, self.head_dim, qkv_bias, attn_bias, bool(getattr(cfg, "mlp_bias", False)), tp,
+                              layer_sliding_window(cfg, i))
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if self.tie else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
@@ -160,6 +170,4 @@ class LlamaForCausalLM(nn.Module):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: Any, tp: TPGroup = SINGLE) -> None:
-        if getattr(cfg, "use_sliding_window", False):
-            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
         super().__init__(cfg, tp, qkv_bias=True)

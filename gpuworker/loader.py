@@ -42,12 +42,9 @@ def _override(config: Any, values: dict[str, Any]) -> None:
 DEFAULT_MAX_POSITIONS = 2048
 
 
-def context_limits(hf_config: Any) -> tuple[int, int | None]:
-    """(position limit, sliding window or None) from the config itself: a
-    window counts unless the config says it is off (Qwen2's use_sliding_window)."""
-    model_max = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or DEFAULT_MAX_POSITIONS
-    window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
-    return model_max, window
+def context_limit(hf_config: Any) -> int:
+    """The position limit from the config itself."""
+    return int(getattr(hf_config, "max_position_embeddings", 0) or 0) or DEFAULT_MAX_POSITIONS
 
 
 def eos_token_ids(folder: str, hf_config: Any) -> tuple[int, ...]:

@@ -43,7 +43,7 @@ from pagedserve.gpuworker.cuda_graph import DecodeGraphs
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, rank_device
 from pagedserve.gpuworker.inputs import PromptLogprobPlan, attention_metadata, prepare_batch
 from pagedserve.gpuworker.layers import PagedAttention
-from pagedserve.gpuworker.loader import context_limits, eos_token_ids, iter_weights, load_hf_config
+from pagedserve.gpuworker.loader import context_limit, eos_token_ids, iter_weights, load_hf_config
 from pagedserve.gpuworker.models import build_model
 from pagedserve.gpuworker.sampler import Sampler
 from pagedserve.gpuworker.seq_state import SeqState, SeqStates
@@ -139,12 +139,10 @@ class ModelRunner:
             name = DEFAULT_MODEL_NAME if cfg.model is None else os.path.basename(os.path.normpath(folder))
             eos = eos_token_ids(folder, hf)
         self.hf_config = hf
-        model_max, window = context_limits(hf)
-        limit = min(model_max, window) if window else model_max
-        if cfg.max_model_len is not None and cfg.max_model_len > limit:
-            why = f"sliding window {window}" if window and window < model_max else f"max_position_embeddings {model_max}"
-            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's {why}")
-        self.max_model_len = cfg.max_model_len or limit
+        model_max = context_limit(hf)  # sliding windows are masked in attention: no cap of their own
+        if cfg.max_model_len is not None and cfg.max_model_len > model_max:
+            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's max_position_embeddings {model_max}")
+        self.max_model_len = cfg.max_model_len or model_max
         t0 = time.monotonic()
         self.model = build_model(hf, weights, self.dtype, self.device, max(model_max, self.max_model_len), tp)
         load_s = time.monotonic() - t0

@@ -23,7 +23,8 @@ class AttentionBackend:
     ``paged_attention`` accepts the keyword hints ``max_seq_len`` and
     ``max_query_len`` in both backends (the torch one ignores them), and
     ``k_scale`` / ``v_scale`` (an fp8 pool's per-layer scales, ``fp8.py``),
-    which ``reshape_and_cache`` takes too."""
+    which ``reshape_and_cache`` takes too; and ``sliding_window``, ``softcap``
+    and ``sinks`` (``reference.py``), given only by the families that use them."""
 
     name: str
     paged_attention: Callable[..., torch.Tensor]
@@ -34,12 +35,15 @@ class AttentionBackend:
 
 def _paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
                            *, max_seq_len: int | None = None, max_query_len: int | None = None,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           sliding_window: int | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    extras = dict(sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     if q.device.type == "cpu":  # the compiled kernel, or its vectorised torch fallback
         return paged_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                                   k_scale=k_scale, v_scale=v_scale)
+                                   k_scale=k_scale, v_scale=v_scale, **extras)
     return paged_attention_sdpa(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                                k_scale=k_scale, v_scale=v_scale)
+                                k_scale=k_scale, v_scale=v_scale, **extras)
 
 
 TORCH = AttentionBackend("torch", _paged_attention_torch, reshape_and_cache_ref, copy_blocks_ref, swap_blocks)

@@ -13,6 +13,7 @@ float64 reference.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +62,16 @@ def paged_attention_cpu(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     lib = cpu_build.load()
+    if sliding_window is not None or softcap is not None or sinks is not None:
+        # The compiled kernel has none of these: the vectorised torch path masks and caps.
+        return paged_attention_sdpa(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
+                                    k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
+                                    softcap=softcap, sinks=sinks)
     code = DTYPE_CODES.get(q.dtype)
     kv = kv_code(q.dtype, k_cache.dtype)
     if lib is None or code is None or kv is None or q.device.type != "cpu" or v_cache.dtype != k_cache.dtype:
@@ -116,7 +125,11 @@ def paged_attention_sdpa(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """``sliding_window``, ``softcap`` and ``sinks`` as in ``reference.paged_attention_ref``."""
     if out is None:
         out = torch.empty_like(q)
     qsl = query_start_loc.long()
@@ -124,8 +137,18 @@ def paged_attention_sdpa(
     lens = seq_lens.tolist()
     scales = (k_scale, v_scale) if is_fp8(k_cache.dtype) else (None, None)
     for group in _groups(q_lens, lens):
-        _attend(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, out, group, q_lens, lens, scales)
+        _attend(q, k_cache, v_cache, block_tables, seq_lens, qsl, scale, out, group, q_lens, lens, scales,
+                Extras(sliding_window, softcap, sinks))
     return out
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What some families add to plain causal attention (see ``reference.py``)."""
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
 
 def _groups(q_lens: list[int], lens: list[int]) -> list[list[int]]:
@@ -151,7 +174,8 @@ def _groups(q_lens: list[int], lens: list[int]) -> list[list[int]]:
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             seq_lens: torch.Tensor, qsl: torch.Tensor, scale: float, out: torch.Tensor, group: list[int],
-            q_lens: list[int], lens: list[int], scales: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+            q_lens: list[int], lens: list[int], scales: tuple[torch.Tensor | None, torch.Tensor | None],
+            extras: Extras = Extras()) -> None:
     block_size = k_cache.shape[1]
     idx = torch.tensor(group, dtype=torch.long)
     max_len, max_q = max(lens[i] for i in group), max(q_lens[i] for i in group)
@@ -167,11 +191,34 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     q_pos = seq_len - q_len + j  # absolute position of each query
     k_pos = torch.arange(k.shape[1])
     mask = k_pos[None, None, :] <= q_pos[:, :, None]  # causal; hides the padding too
+    if extras.sliding_window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - extras.sliding_window
     # Masking alone is not enough: 0 * NaN from a stale or padding slot would still reach the output.
     filled = (k_pos[None, :] < seq_len)[:, :, None, None]
     k, v = k.where(filled, 0), v.where(filled, 0)
-    o = F.scaled_dot_product_attention(
-        q[rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None],
-        scale=scale, enable_gqa=True,
-    )  # [n, heads, max_q, head_dim]
+    if extras.softcap is None and extras.sinks is None:
+        o = F.scaled_dot_product_attention(
+            q[rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None],
+            scale=scale, enable_gqa=True,
+        )  # [n, heads, max_q, head_dim]
+    else:
+        o = _attend_extras(q[rows].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None], scale, extras)
     out[rows[valid]] = o.transpose(1, 2)[valid].to(out.dtype)
+
+
+def _attend_extras(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                   extras: Extras) -> torch.Tensor:
+    """SDPA spelled out, for what it cannot do: softcapped scores, sink logits.
+    q [n, H, Q, D], k/v [n, KV, L, D], mask [n, 1, Q, L] -> [n, H, Q, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if extras.softcap is not None:
+        scores = extras.softcap * torch.tanh(scores / extras.softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if extras.sinks is not None:
+        sink = extras.sinks.float()[None, :, None, None].expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)

@@ -11,6 +11,11 @@ Sequence i's queries are its last ``query_start_loc[i+1] - query_start_loc[i]``
 positions, causally masked.
   k_scale, v_scale  float32 one-element tensors: the layer's scales of an fp8
                pool (``fp8.py``; None: 1.0), ignored for other pools
+  sliding_window   a query at position p sees keys at p - window < k <= p
+               (transformers' convention); None: every earlier key
+  softcap      scores become softcap * tanh(scores / softcap) (Gemma); None: off
+  sinks        float32 [num_heads]: a learned logit per head that joins each
+               softmax's denominator and attends to nothing (gpt-oss); None: off
 """
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ def paged_attention_ref(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -53,11 +61,19 @@ def paged_attention_ref(
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         qi = q[q_lo:q_hi].to(acc_dtype).transpose(0, 1)  # [H, q_len, D]
         scores = torch.matmul(qi, k.transpose(1, 2)) * scale  # [H, q_len, L]
-        if q_len > 1:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            k_pos = torch.arange(seq_len, device=q.device)
-            scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if sliding_window is not None:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
+        if sinks is not None:  # one more logit per head in the denominator, with no value
+            sink = sinks.to(acc_dtype)[:, None, None].expand(num_heads, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[q_lo:q_hi] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
     return out
 

@@ -48,7 +48,38 @@ ARCHS: dict[str, dict[str, Any]] = {
         max_position_embeddings=512, word_embed_proj_dim=40, do_layer_norm_before=True,
     ),
     "gpt2": dict(n_embd=48, n_head=4, n_layer=2, n_inner=77, n_positions=512, vocab_size=509),
-    # sliding window 64: the worker caps max_model_len there
+    # Today's families (issue 38). Sliding windows of at most 32 tokens, so short test prompts cross them.
+    "qwen3": dict(
+        hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=71,
+        num_hidden_layers=2, vocab_size=509, max_position_embeddings=512, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, rope_theta=1000000.0,
+    ),
+    "gemma3": dict(  # 5 sliding layers to 1 full, as Gemma 3 ships
+        hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=71,
+        num_hidden_layers=6, vocab_size=509, max_position_embeddings=512, rms_norm_eps=1e-6, sliding_window=16,
+        query_pre_attn_scalar=16,
+    ),
+    "qwen3_moe": dict(
+        hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=71,
+        moe_intermediate_size=28, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        num_hidden_layers=2, vocab_size=509, max_position_embeddings=512, rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+    "mixtral": dict(
+        hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=36,
+        num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2, vocab_size=509,
+        max_position_embeddings=512, sliding_window=24, tie_word_embeddings=False,
+    ),
+    "phi3": dict(
+        hidden_size=48, num_attention_heads=4, num_key_value_heads=2, intermediate_size=71, num_hidden_layers=2,
+        vocab_size=509, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "gpt_oss": dict(
+        hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+        num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2, vocab_size=509,
+        max_position_embeddings=512, sliding_window=16, tie_word_embeddings=False,
+    ),
+    # sliding window 64 on every layer
     "mistral": dict(
         hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=71,
         num_hidden_layers=2, vocab_size=509, max_position_embeddings=512, sliding_window=64,
@@ -66,6 +97,12 @@ def _classes(arch: str) -> tuple[Any, Any]:
         "opt": (tf.OPTConfig, tf.OPTForCausalLM),
         "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
     }[arch]
 
 

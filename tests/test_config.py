@@ -50,15 +50,19 @@ def test_the_worker_address_variable_does_not_feed_the_worker_kind(monkeypatch: 
     assert parse([]).worker == "sim"
 
 
-def test_context_limits_come_from_the_config() -> None:
+def test_context_limit_and_layer_windows_come_from_the_config() -> None:
     from types import SimpleNamespace
 
-    from pagedserve.gpuworker.loader import DEFAULT_MAX_POSITIONS, context_limits
+    from pagedserve.gpuworker.layers import layer_sliding_window
+    from pagedserve.gpuworker.loader import DEFAULT_MAX_POSITIONS, context_limit
 
-    assert context_limits(SimpleNamespace(max_position_embeddings=512, sliding_window=64)) == (512, 64)  # Mistral
-    assert context_limits(SimpleNamespace(max_position_embeddings=512, sliding_window=64,
-                                          use_sliding_window=False)) == (512, None)  # Qwen2
-    assert context_limits(SimpleNamespace()) == (DEFAULT_MAX_POSITIONS, None)
+    mistral = SimpleNamespace(max_position_embeddings=512, sliding_window=64)
+    assert context_limit(mistral) == 512  # the window is masked per layer, not a cap on the context
+    assert layer_sliding_window(mistral, 1) == 64
+    assert layer_sliding_window(SimpleNamespace(sliding_window=64, use_sliding_window=False), 0) is None  # Qwen2
+    gemma = SimpleNamespace(sliding_window=32, layer_types=["sliding_attention", "full_attention"])
+    assert [layer_sliding_window(gemma, i) for i in range(2)] == [32, None]
+    assert context_limit(SimpleNamespace()) == DEFAULT_MAX_POSITIONS
 
 
 def test_async_scheduling_auto_is_on_with_cuda_only() -> None:
