@@ -1,4 +1,4 @@
-"""OPT, GPT-2 and Mistral through the worker's paged forward, against
+"""OPT, GPT-2 and Mistral (past its sliding window) through the worker's paged forward, against
 transformers on the same seeded tiny checkpoints."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ FAMILIES = {
     "opt": {},
     "opt-post-ln": {"do_layer_norm_before": False},  # opt-350m style
     "gpt2": {},
-    "mistral": {},
+    "mistral": {"sliding_window": 8},  # prompts of 7-20 tokens cross the window
 }
 
 
@@ -42,11 +42,11 @@ def test_family_prefill_chunk_and_decode_match_transformers(family: str, tmp_pat
         assert d.tokens[i] == out[0].tolist()
 
 
-def test_mistral_context_is_capped_at_the_sliding_window(tmp_path: Path) -> None:
-    folder = make_tiny_model(tmp_path, "mistral", seed=1)
-    assert make_runner(folder).init().model.max_model_len == 64
-    with pytest.raises(ValueError, match="sliding window 64"):
-        ModelRunner(EngineConfig(model=folder, max_model_len=128, num_gpu_blocks=8)).init()
+def test_mistral_context_is_not_capped_at_the_sliding_window(tmp_path: Path) -> None:
+    folder = make_tiny_model(tmp_path, "mistral", seed=1)  # window 64, 512 positions
+    assert make_runner(folder).init().model.max_model_len == 512
+    with pytest.raises(ValueError, match="max_position_embeddings 512"):
+        ModelRunner(EngineConfig(model=folder, max_model_len=1024, num_gpu_blocks=8)).init()
 
 
 def test_unsupported_activation_is_refused(tmp_path: Path) -> None:
