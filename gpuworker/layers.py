@@ -80,44 +80,131 @@ class LayerNorm(nn.LayerNorm):
 
 
 def _rope_inv_freq(dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
+    """The inverse frequencies alone (``rope_frequencies`` without its attention factor)."""
+    return rope_frequencies(dim, params, max_position)[0]
+
+
+def rope_frequencies(head_dim: int, params: dict[str, Any], max_position: int,
+                     max_position_embeddings: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim / 2], attention factor), as transformers'
+    ``ROPE_INIT_FUNCTIONS`` compute them from ``rope_parameters``.
+
+    ``max_position`` is the longest context served (vLLM's max_model_len):
+    LongRoPE picks its long factors once, when it exceeds the original
+    context, as vLLM does; transformers instead picks per forward call from
+    that call's largest position, which agrees whenever a whole sequence
+    stays on one side. ``max_position_embeddings`` is the config's (default
+    ``max_position``): LongRoPE and YaRN derive a missing ``factor`` from it."""
+    config_max = max_position_embeddings or max_position
     base = float(params.get("rope_theta", 10000.0))
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))  # the rotated leading part of each head
     kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "yarn":
+        return _yarn(dim, base, params, config_max)
+    if kind == "longrope":
+        return _longrope(dim, base, params, max_position, config_max)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if kind == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / float(params["factor"])
+        return inv_freq / float(params["factor"]), 1.0
     if kind == "llama3":
         factor = float(params["factor"])
         low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
-        old_len = float(params.get("original_max_position_embeddings", max_position))
+        old_len = float(params.get("original_max_position_embeddings", config_max))
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         smooth = (old_len / wavelen - low) / (high - low)
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3, yarn, longrope)")
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(dim: int, base: float, params: dict[str, Any], config_max: int) -> tuple[torch.Tensor, float]:
+    """transformers' ``_compute_yarn_parameters``, step for step (``truncate``
+    defaults to True; gpt-oss ships False)."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:  # DeepSeek-V3 style: the context ratio
+        factor = config_max / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over the original context
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp  # the share of each dimension's unscaled frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def _longrope(dim: int, base: float, params: dict[str, Any], max_position: int,
+              config_max: int) -> tuple[torch.Tensor, float]:
+    """transformers' ``_compute_longrope_parameters`` (Phi-3), with the long
+    or short factors chosen once from ``max_position`` (see rope_frequencies)."""
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:  # Phi-3: the ratio of the extended to the original context
+        factor = config_max / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = torch.tensor(params["long_factor"] if max_position > original else params["short_factor"], dtype=torch.float32)
+    inv_freq = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return inv_freq, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE from a precomputed cos/sin cache indexed by
-    each token's absolute position, so chunks and decodes need no offsets."""
+    each token's absolute position, so chunks and decodes need no offsets.
 
-    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+    cos and sin carry the scaling's attention factor (YaRN, LongRoPE), as
+    transformers multiplies them. ``rotary_dim`` < head_dim (a
+    ``partial_rotary_factor``): only each head's leading ``rotary_dim``
+    features turn; the fused CPU op rotates whole heads, so such a model must
+    rotate through ``forward``. Arguments: see ``rope_frequencies``."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any], *,
+                 max_position_embeddings: int | None = None) -> None:
         super().__init__()
-        inv_freq = _rope_inv_freq(head_dim, params, max_position)
+        inv_freq, scale = rope_frequencies(head_dim, params, max_position, max_position_embeddings)
+        self.rotary_dim = 2 * inv_freq.numel()
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_position, head_dim / 2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        self.register_buffer("cos", cos, persistent=False)  # [max_position, rotary_dim / 2]
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, rotary_dim / 2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:  # partial rotary: the trailing features pass through
+        return torch.cat((_rotate(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     c, s = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

@@ -41,6 +41,19 @@ def _rope_params(cfg: Any) -> dict[str, Any]:
     return dict(params)
 
 
+def rotary_attention(attn: PagedAttention, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                     kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    """``attn.forward_rotary`` where RoPE turns whole heads; with a partial
+    rotary dim (Phi-4-mini) the fused CPU op would turn whole heads, so q and
+    k are split out and rotated by ``rotary`` itself."""
+    if rotary.rotary_dim == attn.head_dim:
+        return attn.forward_rotary(qkv, positions, rotary, kv_cache, meta)
+    n, q_size, kv_size = qkv.shape[0], attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = rotary(positions, q.view(n, attn.num_heads, attn.head_dim), k.view(n, attn.num_kv_heads, attn.head_dim))
+    return attn(q, k, v.view(n, attn.num_kv_heads, attn.head_dim), kv_cache, meta)
+
+
 class LlamaAttention(nn.Module):
     """Column-parallel QKV (this rank's heads), paged attention over this
     rank's KV heads, row-parallel output projection."""
@@ -59,7 +72,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        return self.o_proj(self.attn.forward_rotary(self.qkv_proj(x), positions, rotary, kv_cache, meta))
+        return self.o_proj(rotary_attention(self.attn, self.qkv_proj(x), positions, rotary, kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):
@@ -74,9 +87,9 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, head_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool, tp: TPGroup,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, attention: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, head_dim, qkv_bias, o_bias, tp, sliding_window)
+        self.self_attn = attention(cfg, head_dim, qkv_bias, o_bias, tp, sliding_window)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -109,6 +122,12 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    attention: type[LlamaAttention] = LlamaAttention
+    # FusedStack compiles exactly this layer structure; a subclass that changes it sets False.
+    fused_stack = True
+    # transformers' Llama/Qwen RoPE turns whole heads whatever partial_rotary_factor says; Phi-3's honours it.
+    partial_rotary = False
+
     def __init__(self, cfg: Any, tp: TPGroup = SINGLE, qkv_bias: bool | None = None) -> None:
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
@@ -125,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, self.head_dim, qkv_bias, attn_bias, bool(getattr(cfg, "mlp_bias", False)), tp,
-                              layer_sliding_window(cfg, i))
+                              layer_sliding_window(cfg, i), self.attention)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -134,14 +153,20 @@ class LlamaForCausalLM(nn.Module):
         self.fused: FusedStack | None = None  # the CPU stack in one call, for the pools it was built over
 
     def init_buffers(self, max_position: int, device: torch.device) -> None:
-        self.rotary = RotaryEmbedding(self.head_dim, max_position, _rope_params(self.cfg)).to(device)
+        params = _rope_params(self.cfg)
+        if not self.partial_rotary:
+            params.pop("partial_rotary_factor", None)
+        self.rotary = RotaryEmbedding(self.head_dim, max_position, params,
+                                      max_position_embeddings=getattr(self.cfg, "max_position_embeddings", None)).to(device)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
         assert self.rotary is not None
         x = self.embed_tokens(input_ids)
-        if self.fused is None or not self.fused.current(kv_caches):
+        if not self.fused_stack or self.rotary.rotary_dim != self.head_dim:
+            self.fused = None  # the compiled stack turns whole heads with the Llama layer
+        elif self.fused is None or not self.fused.current(kv_caches):
             self.fused = FusedStack.build(self, kv_caches)
         if self.fused is not None:
             return self.fused.run(x, positions, meta)

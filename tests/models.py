@@ -9,6 +9,7 @@ forward that silently assumes the common case fails.
 """
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -57,7 +58,7 @@ ARCHS: dict[str, dict[str, Any]] = {
     "gemma3": dict(  # 5 sliding layers to 1 full, as Gemma 3 ships
         hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=71,
         num_hidden_layers=6, vocab_size=509, max_position_embeddings=512, rms_norm_eps=1e-6, sliding_window=16,
-        query_pre_attn_scalar=16,
+        query_pre_attn_scalar=24,  # != head_dim: a head_dim ** -0.5 scale would show
     ),
     "qwen3_moe": dict(
         hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=71,
@@ -74,10 +75,12 @@ ARCHS: dict[str, dict[str, Any]] = {
         hidden_size=48, num_attention_heads=4, num_key_value_heads=2, intermediate_size=71, num_hidden_layers=2,
         vocab_size=509, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
     ),
-    "gpt_oss": dict(
+    "gpt_oss": dict(  # sliding (16) and full layers alternate; YaRN as the real model's, scaled down (4 x 128)
         hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
         num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2, vocab_size=509,
         max_position_embeddings=512, sliding_window=16, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=128),
     ),
     # sliding window 64 on every layer
     "mistral": dict(
@@ -136,7 +139,7 @@ def make_tiny_model(tmp_dir: str | os.PathLike[str], arch: str = "llama", seed: 
     folder = os.path.join(os.fspath(tmp_dir), f"tiny-{arch}-s{seed}" + (f"-{suffix}" if suffix else ""))
     if os.path.isfile(os.path.join(folder, "model.safetensors")):
         return folder
-    shape = {**ARCHS[arch], **overrides}
+    shape = copy.deepcopy({**ARCHS[arch], **overrides})  # config classes fill defaults into rope dicts in place
     tokenizer = train_tokenizer(min(shape["vocab_size"], 500))
     assert len(tokenizer) <= shape["vocab_size"]
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
