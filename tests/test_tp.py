@@ -37,6 +37,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("gpt2", {}),  # 4 heads, biases everywhere
     "opt": ("opt", {}),  # 6 heads, ffn 91, project_in/out (replicated) around a 40-wide vocab-parallel embedding
     "qwen2-rep": ("qwen2", {"num_attention_heads": 4, "num_key_value_heads": 1, "hidden_size": 48}),
+    # 2 q / 1 kv heads per rank with replicated q/k norms; layer 1 slides over 16
+    "qwen3": ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),
+    # the fused qkv_proj / gate_up_proj cut per rank (gate/up 35 / 36 columns); half of each head rotates; window 16
+    "phi3": ("phi3", {"partial_rotary_factor": 0.5, "sliding_window": 16}),
+    "gpt_oss": ("gpt_oss", {"intermediate_size": 37}),  # 2 heads + their sinks per rank, experts' columns 18 / 19
+    # experts' columns 14 / 15 per rank; layer 0 a dense MLP (35 / 36)
+    "qwen3_moe": ("qwen3_moe", {"moe_intermediate_size": 29, "mlp_only_layers": [0]}),
+    "mixtral": ("mixtral", {}),  # experts' columns 18 / 18; 28-token sequences cross the window of 24
+    # 2 q / 1 kv heads per rank, replicated q/k norms, MLP 35 / 36; 5 layers slide over 16; capped gathered logits
+    "gemma3": ("gemma3", {"final_logit_softcapping": 3.0}),
 }
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, logprobs=3)
 SCORED = SamplingParams(temperature=0.0, prompt_logprobs=2, logprobs=2)
