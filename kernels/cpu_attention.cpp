@@ -43,6 +43,8 @@ struct Shape {
   int64_t q_stride;  // elements between two tokens of q (a view into the fused QKV rows, or heads * head_dim)
   float scale;
   float k_scale, v_scale;  // fp8 pools: stored = value / scale (1 for 16/32-bit pools)
+  int window = 0;        // sliding window: a query at p sees keys p - window < k <= p (0: all earlier keys)
+  float softcap = 0.0f;  // scores become softcap * tanh(score / softcap) (0: off)
 };
 
 // Up to this many query rows accumulate in registers at once.
@@ -88,7 +90,8 @@ Rows load_rows(const T* q, int tok0, int nq, int D, const Shape& sh, std::vector
 }
 
 // Folds blocks kb_begin .. of a block table into the rows' state. Token t
-// sees keys 0 .. first_ctx + t - 1 (causal); keys past last_ctx are not read.
+// sees keys 0 .. first_ctx + t - 1 (causal), from first_ctx + t - window on
+// with a sliding window; keys past last_ctx are not read.
 // Each block of the pool is read once, token by token with all KV heads
 // together (they are contiguous in a slot). DT is head_dim when it is a
 // multiple of LANES known at compile time (0: scalar loops over sh.head_dim).
@@ -158,23 +161,32 @@ void attend(const KT* k_cache, const KT* v_cache, const int32_t* table, int kb_b
       }
     }
     // Online softmax: rescale what was accumulated, turn scores into weights.
+    // Row r sees this block's keys i0 <= i < nv (causal, and its window).
     for (int r = 0; r < rows; ++r) {
       const int t = (r / G) % nq;
-      const int nv = std::min(n, first_ctx + t - kb * BS);
+      const int hi = first_ctx + t - kb * BS;
+      const int nv = std::min(n, hi);
+      const int i0 = sh.window > 0 ? std::max(0, hi - sh.window) : 0;
       float* sr = s + r * BS;
-      if (nv <= 0) {
+      if (nv <= i0) {
         std::fill(sr, sr + n, 0.0f);
         continue;
       }
+      if (sh.softcap > 0.0f) {
+        const float cap = sh.softcap, inv = 1.0f / sh.softcap;
+#pragma omp simd
+        for (int i = i0; i < nv; ++i) sr[i] = cap * std::tanh(sr[i] * inv);
+      }
       float mx = m[r];
-      for (int i = 0; i < nv; ++i) mx = std::max(mx, sr[i]);
+      for (int i = i0; i < nv; ++i) mx = std::max(mx, sr[i]);
       const float corr = exp_nonpositive(m[r] - mx);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int i = 0; i < nv; ++i) {
+      for (int i = i0; i < nv; ++i) {
         sr[i] = exp_nonpositive(sr[i] - mx);
         sum += sr[i];
       }
+      std::fill(sr, sr + i0, 0.0f);
       std::fill(sr + nv, sr + n, 0.0f);
       l[r] = l[r] * corr + sum;
       m[r] = mx;
@@ -268,6 +280,8 @@ void paged_attention(const T* q, const KT* k_cache, const KT* v_cache, const int
                      const int32_t* seq_lens, const int32_t* qsl, T* out, int num_seqs, const Shape& sh) {
   const int D = DT > 0 ? DT : sh.head_dim, H = sh.num_heads, G = H / sh.num_kv_heads;
   std::vector<Group> groups = find_groups(block_tables, sh.table_stride, seq_lens, qsl, num_seqs, sh.block_size, TILE_Q);
+  // A shared prefix's partial softmax is over keys every member sees: not so behind a sliding window.
+  if (sh.window > 0) groups.clear();
   std::vector<const Group*> group_of(num_seqs, nullptr);
   std::vector<int64_t> pfirst(groups.size() + 1, 0);  // prefix items
   const int per_group = (2 * omp_get_max_threads() + static_cast<int>(groups.size()) - 1) /
@@ -307,9 +321,11 @@ void paged_attention(const T* q, const KT* k_cache, const KT* v_cache, const int
       const int q0 = static_cast<int>(tile) * TILE_Q, nq = std::min(TILE_Q, q_len - q0);
       const int first_ctx = seq_lens[seq] - q_len + q0 + 1;  // keys visible to the tile's first token
       const Group* g = group_of[seq];
+      // With a window, from the block of the first key the tile's first token sees: long contexts skip the rest.
+      const int kb_begin = g != nullptr ? g->shared : sh.window > 0 ? std::max(0, first_ctx - sh.window) / sh.block_size : 0;
       Rows rw = load_rows(q, q_begin + q0, nq, D, sh, scratch);
       attend<KT, DT>(k_cache, v_cache, block_tables + static_cast<int64_t>(seq) * sh.table_stride,
-                     g != nullptr ? g->shared : 0, first_ctx, first_ctx + nq - 1, rw, sh);
+                     kb_begin, first_ctx, first_ctx + nq - 1, rw, sh);
       if (g != nullptr) {
         const int nt = qsl[g->seq_end] - qsl[g->seq_begin], off = q_begin - qsl[g->seq_begin], prows = nt * H;
         auto row_of = [&](int r) { return ((r / (nq * G)) * nt + off + (r / G) % nq) * G + r % G; };
@@ -353,17 +369,19 @@ extern "C" {
 
 // dtype (q and out): 0 float32, 1 bfloat16. kv_dtype: 0 the same as q, 2 fp8
 // e4m3, 3 fp8 e5m2, with k_scale / v_scale pointing at the layer's scales (read
-// only for fp8). Returns 0, or a positive code for bad arguments.
-int pagedserve_paged_attention(int dtype, int kv_dtype, const void* q, const void* k_cache, const void* v_cache,
-                               const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start_loc,
-                               void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                               int table_stride, int64_t q_stride, float scale, const float* k_scale,
-                               const float* v_scale) {
+// only for fp8). window: the sliding window (0: none); softcap: the tanh cap
+// on the scaled scores (0: none). Returns 0, or a positive code for bad arguments.
+int pagedserve_paged_attention_ex(int dtype, int kv_dtype, const void* q, const void* k_cache, const void* v_cache,
+                                  const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start_loc,
+                                  void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                  int table_stride, int64_t q_stride, float scale, const float* k_scale,
+                                  const float* v_scale, int window, float softcap) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || block_size <= 0) return 1;
   if (q_stride < static_cast<int64_t>(num_heads) * head_dim) return 1;
+  if (window < 0 || !(softcap >= 0.0f)) return 1;
   const bool fp8 = kv_dtype == KV_FP8_E4M3 || kv_dtype == KV_FP8_E5M2;
   const Shape sh{num_heads, num_kv_heads, head_dim, block_size, table_stride, q_stride, scale,
-                 fp8 ? *k_scale : 1.0f, fp8 ? *v_scale : 1.0f};
+                 fp8 ? *k_scale : 1.0f, fp8 ? *v_scale : 1.0f, window, softcap};
   if (dtype == 0)
     return dispatch_kv(kv_dtype, static_cast<const float*>(q), k_cache, v_cache, block_tables, seq_lens,
                        query_start_loc, static_cast<float*>(out), num_seqs, sh);
@@ -371,6 +389,17 @@ int pagedserve_paged_attention(int dtype, int kv_dtype, const void* q, const voi
     return dispatch_kv(kv_dtype, static_cast<const uint16_t*>(q), k_cache, v_cache, block_tables, seq_lens,
                        query_start_loc, static_cast<uint16_t*>(out), num_seqs, sh);
   return 2;
+}
+
+// Plain causal attention (cpu_model.cpp's Llama stack calls this one).
+int pagedserve_paged_attention(int dtype, int kv_dtype, const void* q, const void* k_cache, const void* v_cache,
+                               const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start_loc,
+                               void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                               int table_stride, int64_t q_stride, float scale, const float* k_scale,
+                               const float* v_scale) {
+  return pagedserve_paged_attention_ex(dtype, kv_dtype, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                       out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, table_stride,
+                                       q_stride, scale, k_scale, v_scale, 0, 0.0f);
 }
 
 // The groups of the shared-prefix path for a batch (tests check them): up to

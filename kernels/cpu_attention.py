@@ -1,8 +1,9 @@
 """Batched PagedAttention for CPU serving: no Python loop over sequences.
 
 ``paged_attention_cpu`` runs the compiled kernel (``cpu_attention.cpp``: one
-call per layer, K/V read in place from the pool) and falls back to
-``paged_attention_sdpa`` where it cannot (no compiler, another dtype): a
+call per layer, K/V read in place from the pool; sliding windows and softcaps
+included) and falls back to ``paged_attention_sdpa`` where it cannot (no
+compiler, another dtype, attention sinks): a
 vectorised gather of each sequence's blocks plus one ``scaled_dot_product_
 attention`` call per group of sequences. Decodes form one group; prefill
 chunks are grouped so that padding at most doubles the work.
@@ -45,6 +46,15 @@ def scale_ptr(scale: torch.Tensor | None) -> int:
     return scale.data_ptr()
 
 
+def _entry(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
+    """The attention entry point with the extras (window, softcap) after the plain one's arguments."""
+    fn = lib.pagedserve_paged_attention_ex
+    if fn.argtypes is None:  # set here, not in cpu_build.SIGNATURES: the plain entry point keeps its signature
+        fn.argtypes = [*cpu_build.SIGNATURES["pagedserve_paged_attention"], ctypes.c_int, ctypes.c_float]
+        fn.restype = ctypes.c_int
+    return fn
+
+
 def _int32(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Block tables, lengths and offsets as the library reads them: contiguous int32."""
     return tuple(t.to(torch.int32).contiguous() for t in tensors)
@@ -67,16 +77,17 @@ def paged_attention_cpu(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     lib = cpu_build.load()
-    if sliding_window is not None or softcap is not None or sinks is not None:
-        # The compiled kernel has none of these: the vectorised torch path masks and caps.
+    code = DTYPE_CODES.get(q.dtype)
+    kv = kv_code(q.dtype, k_cache.dtype)
+    if (lib is None or code is None or kv is None or q.device.type != "cpu" or v_cache.dtype != k_cache.dtype
+            or sinks is not None):  # the compiled kernel has no sinks
         return paged_attention_sdpa(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
                                     k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window,
                                     softcap=softcap, sinks=sinks)
-    code = DTYPE_CODES.get(q.dtype)
-    kv = kv_code(q.dtype, k_cache.dtype)
-    if lib is None or code is None or kv is None or q.device.type != "cpu" or v_cache.dtype != k_cache.dtype:
-        return paged_attention_sdpa(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out,
-                                    k_scale=k_scale, v_scale=v_scale)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap}")
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()  # a token's heads must be one row; tokens may be strided (views into fused QKV)
     tables, lens, qsl = _int32(block_tables, seq_lens, query_start_loc)
@@ -86,10 +97,11 @@ def paged_attention_cpu(
         result = torch.empty(q.shape, dtype=q.dtype)
     else:
         result = out
-    rc = lib.pagedserve_paged_attention(
+    rc = _entry(lib)(
         code, kv, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         qsl.data_ptr(), result.data_ptr(), lens.numel(), q.shape[1], k_cache.shape[2], q.shape[2],
         k_cache.shape[1], tables.shape[1], q.stride(0), ctypes.c_float(scale), scale_ptr(k_scale), scale_ptr(v_scale),
+        sliding_window or 0, ctypes.c_float(softcap or 0.0),
     )
     if rc != 0:
         raise ValueError(f"paged attention: bad shapes (code {rc})")

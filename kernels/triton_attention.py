@@ -14,6 +14,12 @@ num_seqs`` comes from shapes alone and the host never syncs.
 Flash-decoding: with few programs and long contexts, a third grid axis splits
 each sequence's keys into partitions; every partition writes a normalised
 partial output and its log-sum-exp, and ``_reduce_kernel`` merges them.
+
+Extras, each a constexpr switch that compiles away when off: a sliding window
+(masked per row; a tile starts its key loop at its window, so keys far behind
+it are never read, and split partitions count from there), a tanh softcap on
+the scaled scores, and attention sinks (a per-head logit that seeds the online
+softmax's running max and sum; with split partitions the reduction adds it).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import triton.language as tl
 from pagedserve.kernels.fp8 import is_fp8, unit_scale
 
 _LOG2E = 1.4426950408889634
+_LOG2E_C = tl.constexpr(_LOG2E)  # the same, for use inside kernels
 
 
 @triton.jit
@@ -45,11 +52,19 @@ def _find_seq_idx(query_start_loc_ptr, target, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp2 (no libdevice: the interpreter has none); e <= 1, so nothing overflows."""
+    e = tl.math.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2|x|); a literal: -2.0 * _LOG2E_C broke in the interpreter
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
-    qk_scale, num_seqs, partition_size,
+    part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr, sinks_ptr,
+    qk_scale, num_seqs, partition_size, window, softcap,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -60,7 +75,11 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
+    """Scores are in base 2: ``qk_scale`` is scale * log2(e), or scale / cap
+    with SOFTCAP (``softcap`` is then cap * log2(e)); ``window`` is the sliding
+    window (WINDOW only); ``sinks_ptr`` float32 [num_heads] (SINKS only)."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,8 +106,13 @@ def _paged_attention_kernel(
     # Keys this program reads: its partition, cut at the tile's last query.
     kv_hi = tl.minimum(seq_len, context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len))
     kv_lo = 0
+    win_lo = 0
+    if WINDOW:
+        # The tile's first query sees keys from q_pos - window + 1: start there, on the BLOCK_N grid.
+        win_lo = context_len + q_tile * BLOCK_Q - window + 1
+        kv_lo = tl.maximum(win_lo, 0) // BLOCK_N * BLOCK_N
     if SPLIT:
-        kv_lo = split * partition_size
+        kv_lo = kv_lo + split * partition_size
         kv_hi = tl.minimum(kv_hi, kv_lo + partition_size)
         if kv_lo >= kv_hi:
             # Empty partition: tell the reduction to ignore it.
@@ -106,12 +130,17 @@ def _paged_attention_kernel(
     # -1e30, not -inf: rows with no key yet in this tile must not make inf - inf.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS and not SPLIT:  # the sink is one more logit: the running max and sum start from it
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=-1.0e30).to(tl.float32) * _LOG2E_C
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(kv_lo, kv_hi, BLOCK_N):
         k_pos = start + offs_n
         k_ok = k_pos < kv_hi
+        if WINDOW:  # nor read keys behind every row's window (their blocks may be gone)
+            k_ok = k_ok & (k_pos >= win_lo)
         phys = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         slot_off = k_pos % BLOCK_SIZE
         k = tl.load(
@@ -131,7 +160,11 @@ def _paged_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        if SOFTCAP:  # before the mask: tanh would turn -inf into a finite score
+            s = softcap * _tanh(s)
         causal = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if WINDOW:
+            causal = causal & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(causal, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -158,12 +191,13 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, num_splits,
+    out_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, num_splits,
     stride_ot, stride_oh, stride_od,
     stride_pt, stride_ph, stride_ps,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, SPLITS_P: tl.constexpr, SINKS: tl.constexpr,
 ):
-    """Merge the partitions of one (token, head): a log-sum-exp weighted sum."""
+    """Merge the partitions of one (token, head): a log-sum-exp weighted sum.
+    With SINKS the head's sink joins the denominator here, once, not per partition."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_P)
@@ -171,12 +205,18 @@ def _reduce_kernel(
     base = t * stride_pt + h * stride_ph + sp * stride_ps
     lse = tl.load(part_lse_ptr + base, mask=sp < num_splits, other=float("-inf"))
     m = tl.max(lse, axis=0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * _LOG2E_C
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse - m)  # 0 for empty partitions
     live = lse > float("-inf")
     parts = tl.load(part_out_ptr + base[:, None] * HEAD_DIM + dims[None, :],
                     mask=live[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
-    o = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
+    denom = tl.sum(w, axis=0)
+    if SINKS:
+        denom += tl.math.exp2(sink - m)
+    o = tl.sum(parts * w[:, None], axis=0) / denom
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
@@ -212,6 +252,9 @@ def paged_attention(
     partition_size: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged attention (contract in ``reference.py``).
 
@@ -223,12 +266,22 @@ def paged_attention(
     decode-shaped batch would leave the GPU's SMs idle. ``k_scale`` /
     ``v_scale``: an fp8 pool's per-layer scales, one float32 each on the
     pool's device (``fp8.py``; None: 1.0); ignored for other pools.
+    ``sliding_window``, ``softcap``, ``sinks`` (float [num_heads] on q's
+    device): as in ``reference.py``; None: off, at no cost.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap}")
+    if sinks is not None:
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must have shape ({num_heads},), got {tuple(sinks.shape)}")
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
     kv_fp8 = is_fp8(k_cache.dtype)
     if v_cache.dtype != k_cache.dtype or not (kv_fp8 or k_cache.dtype == q.dtype):
         raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
@@ -258,6 +311,10 @@ def paged_attention(
         if partition_size % 16:
             raise ValueError(f"partition_size must be a multiple of 16, got {partition_size}")
         block_n = next(n for n in (block_n, 32, 16) if partition_size % n == 0)
+    if sliding_window is not None:
+        # Keys one tile reads: its window behind its first query (from a BLOCK_N-aligned start) to its last.
+        kv_bound = min(kv_bound, sliding_window + block_q + block_n - 1)
+    if partition_size is not None:
         num_splits = triton.cdiv(kv_bound, partition_size)
     elif decode and programs < 2 * _num_sms(q.device) and kv_bound >= 512:
         # Flash-decoding: enough partitions to fill the SMs twice, each >= 256 keys.
@@ -273,26 +330,30 @@ def paged_attention(
     else:
         part_out = part_lse = out  # unused
         pstrides = (0, 0, 0)
+    # With a softcap the kernel takes scores in units of the cap, and the cap in base 2.
+    qk_scale = scale / softcap if softcap is not None else scale * _LOG2E
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
-        part_out, part_lse, k_scale, v_scale,
-        scale * _LOG2E, num_seqs, partition_size or 0,
+        part_out, part_lse, k_scale, v_scale, seq_lens if sinks is None else sinks,
+        qk_scale, num_seqs, partition_size or 0, sliding_window or 0, (softcap or 0.0) * _LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         block_tables.stride(0),
         *pstrides,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n,
         SPLIT=split, DOT_FP32=dot_fp32, PRECISION=precision, KV_FP8=kv_fp8,
+        WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None,
         num_warps=4 if head_dim_p <= 128 else 8,
         # fp32 tiles at head_dim 256 would not fit shared memory twice over.
         num_stages=1 if q.dtype == torch.float32 and head_dim_p > 128 else 2,
     )
     if split:
         _reduce_kernel[(num_tokens, num_heads)](
-            out, part_out, part_lse, num_splits,
+            out, part_out, part_lse, seq_lens if sinks is None else sinks, num_splits,
             *out.stride(), *pstrides,
             HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, SPLITS_P=triton.next_power_of_2(num_splits),
+            SINKS=sinks is not None,
         )
     return out
