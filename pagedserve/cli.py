@@ -17,6 +17,7 @@ import sys
 
 from pagedserve.common.curve import InsecureTransport
 from pagedserve.common.hub_cache import ModelNotFound
+from pagedserve.common.model_check import UnservableModel
 from pagedserve.common.rundir import UnsafeRunDir
 
 _COMPONENTS = {
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         from pagedserve.gpuworker.cpu_affinity import bind_worker_threads
 
         bind_worker_threads(rest)  # before torch is imported
+        refused = _worker_refusal(rest)
+        if refused:
+            print(f"pagedserve gpuworker: error: {refused}", file=sys.stderr, flush=True)
+            return 1
     if cmd == "bench":
         if not rest or rest[0].startswith("-"):
             print("usage: pagedserve bench NAME [args]", file=sys.stderr)
@@ -69,10 +74,35 @@ def main(argv: list[str] | None = None) -> int:
     except (InsecureTransport, UnsafeRunDir, ModelNotFound) as e:
         print(f"pagedserve {cmd}: error: {e}", file=sys.stderr)
         return 2
+    except UnservableModel as e:  # e.g. a GGUF whose converted config names no served architecture
+        print(f"pagedserve {cmd}: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C before a component's own handlers are set: quiet
         rc = 130
     _quiet_exit(rc)
     return rc
+
+
+def _worker_refusal(argv: list[str]) -> str | None:
+    """The model check ``serve`` makes, for a worker started on
+    its own: before it starts tensor-parallel ranks or converts a GGUF file.
+    Reads only the engine flags; the worker's own parser still judges the rest."""
+    import argparse
+
+    from pagedserve.common.config import add_engine_args, config_from_args
+    from pagedserve.common.model_check import engine_refusal
+
+    p = argparse.ArgumentParser(prog="pagedserve gpuworker", add_help=False, allow_abbrev=False)
+    add_engine_args(p)
+    p.add_argument("--tp-rank", type=int, default=0)
+    args, _ = p.parse_known_args(argv)
+    if args.tp_rank > 0:  # rank 0 checked before starting it
+        return None
+    try:
+        cfg = config_from_args(args)
+    except ValueError:
+        return None  # the worker's parser says what is wrong
+    return engine_refusal(cfg)
 
 
 def _quiet_exit(rc: int) -> None:

@@ -20,10 +20,11 @@ import time
 from typing import Any, Callable
 
 from pagedserve.common.config import EXIT_PORT_IN_USE, RUN_HEALTH_PREFIX, bind_error, default_addresses, engine_argv
-from pagedserve.common.default_model import resolve_model
+from pagedserve.common.default_model import is_gguf, resolve_model
 from pagedserve.common.env import env as read_env
 from pagedserve.common.hub_cache import ModelNotFound
 from pagedserve.common.lifecycle import StopFlag, die_with_parent
+from pagedserve.common.model_check import engine_refusal
 from pagedserve.serve_args import ServeArgs, parse_serve_args
 
 COMPONENTS = ("blockmgr", "gpuworker", "scheduler", "frontend")
@@ -83,13 +84,20 @@ def ports_taken(sa: ServeArgs) -> str | None:
 
 def main(argv: list[str]) -> int:
     sa = parse_serve_args(argv)
+    refused = engine_refusal(sa.cfg, sa.revision)
+    if refused:
+        print(f"pagedserve serve: error: {refused}", file=sys.stderr, flush=True)
+        return 1
     taken = ports_taken(sa)
     if taken:
         print(f"pagedserve serve: error: {taken}", file=sys.stderr, flush=True)
         return 1
+    if sa.cfg.model is not None and is_gguf(sa.cfg.model):
+        print(f"pagedserve: {os.path.basename(sa.cfg.model)}: GGUF weights are dequantized to "
+              f"{sa.cfg.torch_dtype_name} for serving (they do not stay quantized yet)", file=sys.stderr, flush=True)
     try:
-        # A hub id or the embedded model becomes a folder here, once (the
-        # embedded one is converted with progress); children get the folder.
+        # A hub id, a GGUF file or the embedded model becomes a folder here,
+        # once (a GGUF file is converted with progress); children get the folder.
         model_dir = resolve_model(sa.cfg.model, sa.revision)
         tokenizer_dir = resolve_model(sa.cfg.tokenizer) if sa.cfg.tokenizer is not None else None
     except ModelNotFound as e:

@@ -18,7 +18,7 @@ from typing import NoReturn
 from pagedserve.common.config import (DEFAULT_SHUTDOWN_TIMEOUT_S, EngineConfig, add_engine_args,  # noqa: F401
                                       config_from_args, env, helptext, shutdown_timeout_default)
 from pagedserve.common.env import env_flag
-from pagedserve.common.default_model import DEFAULT_MODEL_ID
+from pagedserve.common.default_model import is_gguf, served_name
 from pagedserve.common.hub_cache import is_hub_id
 from pagedserve.common.version import version
 from pagedserve.frontend.openai_args import add_openai_args, check_openai_args, openai_argv
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Start all four components locally and serve the OpenAI-compatible "
                                             "HTTP API and the gRPC API.")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model, as with --model (a folder or a hub id org/name)")
+                   help="the model, as with --model (a folder, a hub id org/name, or a .gguf file)")
     p.add_argument("--version", action="version", version=f"pagedserve {version()}",
                    help="print the version and exit")
     add_engine_args(p)
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", default=env("SERVED_MODEL_NAME"), metavar="NAME",
                    help=helptext("names the OpenAI API accepts in 'model' (the variable: space-separated); the "
                                  "first is reported by /v1/models and in the model_name metrics label; none: "
-                                 "the model as given", "SERVED_MODEL_NAME"))
+                                 "the model as given (a .gguf file: its name less .gguf)", "SERVED_MODEL_NAME"))
     p.add_argument("--revision", default=env("REVISION", "main"),
                    help=helptext("of a hub id: a ref under refs/ in the cache, or a commit hash", "REVISION"))
     p.add_argument("--host", default=env("HOST", "127.0.0.1"),
@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_openai_args(p)
     g = p.add_argument_group("accepted for vLLM's command lines; other values are refused")
     g.add_argument("--quantization", "-q", default=env("QUANTIZATION"),
-                   help=helptext("none only: there are no quantized kernels (serve the unquantized model)",
+                   help=helptext("none, or gguf for a .gguf model (its weights are dequantized): there are no "
+                                 "quantized kernels",
                                  "QUANTIZATION"))
     g.add_argument("--enable-lora", action="store_true", default=env_flag("ENABLE_LORA", False),
                    help=helptext("refused: LoRA adapters are not supported", "ENABLE_LORA"))
@@ -95,9 +96,12 @@ def refuse(message: str) -> NoReturn:
 
 
 def _refusals(args: argparse.Namespace) -> None:
-    if args.quantization not in (None, "none", "None"):
+    if args.quantization == "gguf":  # vLLM's flag for a .gguf model; its weights are dequantized (launcher)
+        if not (args.model and is_gguf(args.model)):
+            refuse("--quantization gguf: the model must be a .gguf file")
+    elif args.quantization not in (None, "none", "None"):
         refuse(f"--quantization {args.quantization}: not supported (no quantized kernels); serve the "
-               "unquantized model")
+               "unquantized model, or a .gguf file (dequantized on loading)")
     if args.enable_lora:
         refuse("--enable-lora: LoRA adapters are not supported")
     if args.pipeline_parallel_size != 1:
@@ -143,7 +147,7 @@ def parse_serve_args(argv: list[str]) -> ServeArgs:
     if args.port == args.grpc_port:
         p.error(f"--port (HTTP) and --grpc-port are both {args.port}")
     served = args.served_model_name
-    names = (served.split() if isinstance(served, str) else served) or [args.model or DEFAULT_MODEL_ID]
+    names = (served.split() if isinstance(served, str) else served) or [served_name(args.model)]
     if any(not n or len(n) > 256 for n in names):
         p.error("--served-model-name: each name must have 1 to 256 characters")
     if args.api_key is None and env("API_KEY"):
