@@ -242,7 +242,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         target.add_argument(*flags, default=value, help=helptext(text, env_name), **kw)
 
     arg("--model", env_name="MODEL", default=None,
-        text="local Hugging Face folder, or a hub id org/name found in the local Hugging Face cache "
+        text="local Hugging Face folder, a .gguf file, or a hub id org/name found in the local Hugging Face cache "
              "($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub; never downloaded); "
              "none: the embedded SmolLM2-135M-Instruct")
     arg("--device", env_name="DEVICE", default=d.device, text="cpu, cuda or cuda:N")
