@@ -84,7 +84,9 @@ def pack_model(model: nn.Module, batch_hint: int) -> int:
     """Packs every layer that has a ``packed`` slot; returns how many were packed."""
     n = 0
     for m in model.modules():
-        if hasattr(m, "packed") and isinstance(getattr(m, "weight", None), torch.Tensor):
+        if hasattr(m, "pack_experts"):  # moe_layer.FusedMoE: a packed weight per expert
+            n += m.pack_experts(batch_hint)
+        elif hasattr(m, "packed") and isinstance(getattr(m, "weight", None), torch.Tensor):
             m.packed = pack(m.weight, batch_hint)
             n += m.packed is not None
     return n

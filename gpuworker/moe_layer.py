@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.gpuworker.cpu_gemm import PackedWeight, linear, pack
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, split_range
 from pagedserve.gpuworker.layers import silu_and_mul
 from pagedserve.gpuworker.linear import ColumnParallelLinear
@@ -114,9 +115,14 @@ class ExpertWeights(nn.Module):
             dst.copy_(tensor)
 
 
-def _expert_mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """out = a @ w.T for one expert's rows (its own function, so a test can count the GEMMs)."""
-    torch.mm(a, w.t(), out=out)
+def _expert_mm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, packed: PackedWeight | None = None) -> None:
+    """out = a @ w.T for one expert's rows (its own function, so a test can
+    count the GEMMs); over the weight packed at load where there is one: MKL's
+    sgemm re-packs the weight on every call and runs slowly on this CPU (cpu_gemm.py)."""
+    if packed is None:
+        torch.mm(a, w.t(), out=out)
+    else:
+        out.copy_(linear(a, w, None, packed))
 
 
 def _grouped_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -144,6 +150,12 @@ class FusedMoE(nn.Module):
         self.w2 = ExpertWeights(num_experts, intermediate_size, [hidden_size], tp, bias, column=False)
         self.routing: Routing = routing or softmax_topk(top_k)
         self.activation: Activation = activation or silu_and_mul
+        self.packed: tuple[list[PackedWeight | None], list[PackedWeight | None]] | None = None  # pack_experts
+
+    def pack_experts(self, batch_hint: int) -> int:
+        """Each expert's gate/up and down packed for the CPU GEMM (cpu_gemm.pack_model); how many were."""
+        self.packed = ([pack(w, batch_hint) for w in self.w13.weight], [pack(w, batch_hint) for w in self.w2.weight])
+        return sum(p is not None for ps in self.packed for p in ps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.routing(self.gate(x))
@@ -182,13 +194,14 @@ class FusedMoE(nn.Module):
         """One GEMM per active expert on its slice, for gate/up and for down."""
         w13, w2 = self.w13.weight, self.w2.weight
         spans = [(e, start, end) for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)) if end > start]
+        p13, p2 = self.packed or ([None] * self.num_experts, [None] * self.num_experts)
         gate_up = rows.new_empty(rows.shape[0], w13.shape[1])
         for e, start, end in spans:
-            _expert_mm(rows[start:end], w13[e], gate_up[start:end])
+            _expert_mm(rows[start:end], w13[e], gate_up[start:end], p13[e])
         h = self.activation(self._add_bias(gate_up, self.w13.bias, sorted_ids)).contiguous()
         out = rows.new_empty(rows.shape[0], w2.shape[1])
         for e, start, end in spans:
-            _expert_mm(h[start:end], w2[e], out[start:end])
+            _expert_mm(h[start:end], w2[e], out[start:end], p2[e])
         return out
 
     def _dense(self, rows: torch.Tensor, sorted_ids: torch.Tensor) -> torch.Tensor:

@@ -178,7 +178,7 @@ def _per_token_reference(x: torch.Tensor, w: dict[str, torch.Tensor], k: int, ac
     return out
 
 
-@pytest.mark.parametrize("path", ["loop", "grouped", "dense"])
+@pytest.mark.parametrize("path", ["loop", "loop-packed", "grouped", "dense"])
 @pytest.mark.parametrize("variant", ["silu", "bias-clamped-swiglu"])
 def test_fused_moe_matches_a_per_token_loop(path: str, variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     bias = variant != "silu"
@@ -186,6 +186,9 @@ def test_fused_moe_matches_a_per_token_loop(path: str, variant: str, monkeypatch
     w = _full_weights(8, 16, 24, bias, seed=3)  # widths that grouped_mm accepts
     w["gate.bias"][[1, 4, 6]] = -1e4  # experts 1, 4 and 6 never get a token
     moe = _build(w, 2, bias, act, renormalize=not bias)
+    if path == "loop-packed":  # each expert over the CPU GEMM's packed panels, as the runner packs them
+        assert moe.pack_experts(8) == 16
+        path = "loop"
     monkeypatch.setattr(FusedMoE, "path", path)
     x = torch.randn(11, 16, generator=torch.Generator().manual_seed(4))
     ids = moe.routing(moe.gate(x))[1]
@@ -234,9 +237,9 @@ def test_one_gemm_per_active_expert_not_per_token(monkeypatch: pytest.MonkeyPatc
     calls: list[int] = []
     real = moe_layer._expert_mm
 
-    def counted(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    def counted(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *packed: object) -> None:
         calls.append(a.shape[0])
-        real(a, w, out)
+        real(a, w, out, *packed)
 
     monkeypatch.setattr(moe_layer, "_expert_mm", counted)
     moe = _build(_full_weights(8, 16, 24, False, seed=8), 2, False, _silu_mul)
