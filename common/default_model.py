@@ -141,7 +141,7 @@ def _convert(src: Path, target: Path) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from pagedserve.common.model_check import UnservableModel
-    from pagedserve.gpuworker.models import architecture_of, supported_architectures
+    from pagedserve.common.architectures import architecture_of, unsupported
 
     t0 = time.monotonic()
 
@@ -164,8 +164,7 @@ def _convert(src: Path, target: Path) -> None:
         # A GGUF config names no architectures: the class AutoModelForCausalLM picks for its type.
         archs = config.architectures or [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, config.model_type)]
         if architecture_of(SimpleNamespace(architectures=archs)) is None:  # check_gguf refused these already
-            raise UnservableModel(f"{name}: architecture {', '.join(archs)} is not supported; supported "
-                                  f"architectures: {', '.join(supported_architectures())}")
+            raise UnservableModel(unsupported(name, archs))
         # transformers dequantizes the GGUF tensors on load but cannot save a
         # GGUF-quantized model, so rebuild a plain model from the config.
         gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

@@ -10,6 +10,7 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
+from pagedserve.common.architectures import architecture_of, unsupported
 from pagedserve.common.hub_cache import is_hub_id, resolve_hub_id
 
 
@@ -27,12 +28,6 @@ _GGUF_RENAMES = (("qwen2moe", "qwen2_moe"), ("gpt_oss", "gpt_oss"), ("gpt-oss", 
 # ... and then serves these model types as their text-only backbone.
 _TEXT_BACKBONE = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 _NOT_ARCHS = ("general", "tokenizer")  # keys of its config mapping that are no architectures
-
-
-def _registry() -> tuple[Any, list[str]]:
-    from pagedserve.gpuworker.models import architecture_of, supported_architectures
-
-    return architecture_of, supported_architectures()
 
 
 def engine_refusal(cfg: Any, revision: str = "main") -> str | None:
@@ -80,12 +75,9 @@ def check_config(config: dict[str, Any], model: str) -> None:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
         raise UnservableModel(f"{model}: quantization_config quant_method {method!r} is not supported (no quantized "
                               f"kernels); supported: {SUPPORTED_WEIGHTS}")
-    architecture_of, supported = _registry()
     archs = config.get("architectures") or []
     if architecture_of(SimpleNamespace(architectures=archs)) is None:
-        named = ", ".join(archs) if archs else f"none named (model_type {config.get('model_type', '?')!r})"
-        raise UnservableModel(f"{model}: architecture {named} is not supported; supported architectures: "
-                              f"{', '.join(supported)}")
+        raise UnservableModel(unsupported(str(model), archs or [f"(model_type {config.get('model_type', '?')!r})"]))
 
 
 def _gguf_model_type(arch: str, name: str | None) -> str | None:
@@ -108,7 +100,6 @@ def served_gguf_architectures() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    architecture_of, _ = _registry()
     spelled = {renamed: needle for needle, renamed in _GGUF_RENAMES}
     out = []
     for arch in GGUF_SUPPORTED_ARCHITECTURES:
@@ -140,7 +131,6 @@ def check_gguf(path: str) -> None:
     if model_type is None:
         raise UnservableModel(f"{name}: transformers cannot read GGUF architecture {arch!r}; GGUF architectures "
                               f"supported: {served}")
-    architecture_of, supported = _registry()
     hf_arch = causal.get(model_type)
     if hf_arch is None or architecture_of(SimpleNamespace(architectures=[hf_arch])) is None:
         raise UnservableModel(f"{name}: GGUF architecture {arch!r} ({hf_arch or model_type}) is not supported; "

@@ -13,45 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.common.architectures import ARCHITECTURES, architecture_of, unsupported
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup
-
-# architecture -> "module:Class" under pagedserve.gpuworker, imported only when served
-MODEL_REGISTRY: dict[str, str] = {
-    "LlamaForCausalLM": "llama:LlamaForCausalLM",
-    "MistralForCausalLM": "llama:LlamaForCausalLM",  # every layer slides (layers.layer_sliding_window)
-    "Qwen2ForCausalLM": "llama:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
-    "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
-    "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
-    "Qwen3MoeForCausalLM": "moe:Qwen3MoeForCausalLM",
-    "MixtralForCausalLM": "moe:MixtralForCausalLM",
-    "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
-    "OPTForCausalLM": "opt:OPTForCausalLM",
-    "GPT2LMHeadModel": "gpt2:GPT2LMHeadModel",
-}
-
-
-def supported_architectures() -> list[str]:
-    return sorted(MODEL_REGISTRY)
-
-
-def architecture_of(hf_config: Any) -> str | None:
-    """The first of the config's architectures that we serve, or None."""
-    for arch in getattr(hf_config, "architectures", None) or []:
-        if arch in MODEL_REGISTRY:
-            return arch
-    return None
-
 
 def model_class(hf_config: Any) -> type[nn.Module]:
     arch = architecture_of(hf_config)
     if arch is None:
-        archs = list(getattr(hf_config, "architectures", None) or [])
-        raise ValueError(
-            f"unsupported architecture {archs or getattr(hf_config, 'model_type', '?')}; "
-            f"supported: {', '.join(supported_architectures())}"
-        )
-    module, cls = MODEL_REGISTRY[arch].split(":")
+        archs = list(getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "?")])
+        raise ValueError(unsupported("this model", archs))
+    module, cls = ARCHITECTURES[arch].split(":")
     return getattr(importlib.import_module(f"pagedserve.gpuworker.{module}"), cls)  # type: ignore[no-any-return]
 
 
