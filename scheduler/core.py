@@ -101,6 +101,7 @@ class Scheduler(Intake, Preemption, Results):
         if self.block_stats is not None:
             room = self.block_stats.num_admissible_gpu_blocks + freed
         max_len = self.cfg.max_model_len
+        G = self.cfg.num_kv_groups  # every KV cache group takes a block at the same boundaries
         for group in self.running:
             live = group.live_seqs
             if group.beam is not None and any(s.num_pending for s in live):
@@ -112,7 +113,7 @@ class Scheduler(Intake, Preemption, Results):
                 budget -= k
                 ops.append(self._append_op(seq, k))
                 if room is not None:
-                    room -= max(0, cdiv(seq.num_computed_tokens + k, bs) - seq.num_blocks)
+                    room -= G * max(0, cdiv(seq.num_computed_tokens + k, bs) - seq.num_blocks)
         num_seqs = sum(g.batch_width for g in self.running)
         # Swapped groups resume before new admissions.
         for group in self.swapped:
@@ -138,7 +139,7 @@ class Scheduler(Intake, Preemption, Results):
                     tokens = seq.token_ids[:-1] if group.needs_fork else seq.token_ids
                     k = min(len(tokens), budget)
                     budget -= k
-                    need += cdiv(k, bs)
+                    need += G * cdiv(k, bs)
                     allocs.append(bm.Allocate(seq.seq_id, list(tokens), k, group.cache_salt,
                                               skip_prefix_lookup=group.params.prompt_logprobs is not None))
                 # The queue's head is always tried (its prefix may be cached); later
@@ -253,7 +254,12 @@ class Scheduler(Intake, Preemption, Results):
 
     @staticmethod
     def _apply_table(plan: StepPlan, seq: Sequence, res: bm.SeqResult) -> None:
-        """Relay the blockmgr's diff to the worker; keep only the table's length."""
+        """Relay the blockmgr's diff to the worker; keep only the table's length
+        (group 0's: every KV cache group's table has the same length)."""
+        if res.group_diffs:  # a hybrid KV cache: one diff per group whose table changed
+            seq.num_blocks = res.table_start + len(res.block_ids)
+            plan.block_diffs += [wk.BlockDiff(seq.seq_id, start, list(ids), g) for g, start, ids in res.group_diffs]
+            return
         if not res.block_ids and res.table_start == seq.num_blocks:
             return
         seq.num_blocks = res.table_start + len(res.block_ids)

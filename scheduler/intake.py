@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
-from pagedserve.common.blocks import cdiv
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.frontend import AddRequest, ErrorKind, TokenDelta
@@ -60,7 +59,8 @@ class Intake:
         if p.beam_width > 1:
             group.beam = BeamSearch(p.beam_width, len(prompt), min(len(prompt) + p.max_tokens, self.cfg.max_model_len),
                                     self.cfg.eos_token_ids, p.length_penalty, p.early_stopping)
-        blocks_needed = cdiv(len(req.prompt_token_ids) + 1, self.cfg.block_size)
+        # A hybrid KV cache counts each group's blocks (a sliding group holds about its window).
+        blocks_needed = self.cfg.blocks_held(len(req.prompt_token_ids) + 1)
         if blocks_needed > self.pool.num_gpu_blocks:
             self._finish_group(group, FinishReason.ERROR,
                                f"prompt of {len(req.prompt_token_ids)} tokens needs {blocks_needed} KV blocks; "
