@@ -41,7 +41,7 @@ from pagedserve.gpuworker.cache_engine import CacheEngine, bytes_per_block
 from pagedserve.gpuworker.cpu_gemm import pack_model
 from pagedserve.gpuworker.cuda_graph import DecodeGraphs
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, rank_device
-from pagedserve.gpuworker.kv_groups import kv_groups
+from pagedserve.gpuworker.kv_groups import KVGroups, kv_groups
 from pagedserve.gpuworker.inputs import PromptLogprobPlan, attention_metadata, prepare_batch
 from pagedserve.gpuworker.layers import PagedAttention
 from pagedserve.gpuworker.loader import context_limit, eos_token_ids, iter_weights, load_hf_config
@@ -99,11 +99,16 @@ class ModelRunner:
         source: ModelSource | None = None,
         cuda_graphs: bool | None = None,
         keep_logits: bool = False,
+        hybrid_kv: bool = False,
     ) -> None:
         """``cuda_graphs``: None follows $PAGEDSERVE_CUDA_GRAPHS (default on);
         graphs are used only on CUDA, with the Triton backend, on one rank.
         ``keep_logits``: keep the last step's logits in ``last_logits`` (tests
-        compare them; serving must not hold them past the step)."""
+        compare them; serving must not hold them past the step).
+        ``hybrid_kv``: the driver speaks per-group block tables (the scheduler
+        does; the gpuworker service sets it): a hybrid model then gets KV cache
+        groups (kv_groups.py), unless --disable-hybrid-kv-cache-manager. Off, every
+        model keeps one table per sequence for all layers."""
         self.cfg, self.tp, self.source = cfg, tp, source
         configure_kernels()
         self.device = rank_device(cfg.device, tp.rank)
@@ -112,6 +117,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.states = SeqStates()  # every sequence's tokens, block table and progress
         self.keep_logits = keep_logits
+        self.hybrid_kv = hybrid_kv and not cfg.disable_hybrid_kv_cache_manager
+        self.kv_groups: KVGroups | None = None  # set by init
         self.last_logits: dict[int, torch.Tensor] = {}  # seq_id -> float32 [vocab], with keep_logits
         self.ready: WorkerReady | None = None
         self.profile: dict[str, int] = {}  # CUDA memory profile (bytes), when the pool was sized from it
@@ -172,7 +179,7 @@ class ModelRunner:
         # the one null block), so --num-gpu-blocks names the same memory as for one table.
         attns = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         self.kv_groups = kv_groups([m.sliding_window for m in attns], cfg.block_size, self.max_model_len,
-                                   cfg.disable_hybrid_kv_cache_manager) if len(attns) == self.num_layers else None
+                                   not self.hybrid_kv) if len(attns) == self.num_layers else None
         pool_layers = self.num_layers
         if self.kv_groups is not None:
             G = self.kv_groups.num_groups
