@@ -218,13 +218,19 @@ class HybridBlockManager(BlockManager):
             plans.append((hits, key))
         if self.gpu.num_free - need < self.watermark_blocks:
             return SeqResult(seq_id, _NO_ROOM)
+        # Every group's hits first: a cached free block one group hits must not be
+        # taken (evicted) for another group's fresh blocks.
+        for hits, _ in plans:
+            for b in hits:
+                if b is not NULL_ENTRY:
+                    self.gpu.ref(b)
         events = self.events
         diffs = []
         for g, (hits, key) in enumerate(plans):
             self.events = events if g == 0 else None  # KV events name group 0's blocks only
             try:
                 r = self._install(seq_id * self.G + g, token_ids, hits, key, queried if g == 0 else 0,
-                                  num_cached, num_sched)
+                                  num_cached, num_sched, hits_reffed=True)
             finally:
                 self.events = events
             if g:  # the counters count the prompt once

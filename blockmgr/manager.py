@@ -221,14 +221,16 @@ class BlockManager(SwapOps):
 
     def _install(
         self, seq_id: int, token_ids: list[int], hits: list[Block], key: bytes, queried: int,
-        num_cached: int, num_sched: int,
+        num_cached: int, num_sched: int, hits_reffed: bool = False,
     ) -> SeqResult:
         """The table of an admitted prompt: ``hits`` (cached blocks, or
-        NULL_ENTRY before a sliding window), then fresh blocks; room checked."""
+        NULL_ENTRY before a sliding window; already referenced when
+        ``hits_reffed``), then fresh blocks; room checked."""
         gpu = self.gpu
-        for b in hits:
-            if b is not NULL_ENTRY:
-                gpu.ref(b)
+        if not hits_reffed:
+            for b in hits:
+                if b is not NULL_ENTRY:
+                    gpu.ref(b)
         bs = self.block_size
         total = num_cached + num_sched
         table = hits + [gpu.take() for _ in range(cdiv(total, bs) - len(hits))]
