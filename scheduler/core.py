@@ -107,7 +107,7 @@ class Scheduler(Intake, Preemption, Results):
             if group.beam is not None and any(s.num_pending for s in live):
                 continue  # its next beams are chosen from the step in flight
             for seq in live:
-                k = min(group.tokens_to_compute(seq), budget)
+                k = min(group.tokens_to_compute(seq), budget, self._chunk_cap(group, seq))
                 if k <= 0 or (seq.num_pending and group.long_enough(seq, max_len)):
                     continue
                 budget -= k
@@ -137,7 +137,7 @@ class Scheduler(Intake, Preemption, Results):
                 need = 0
                 for seq in group.live_seqs:
                     tokens = seq.token_ids[:-1] if group.needs_fork else seq.token_ids
-                    k = min(len(tokens), budget)
+                    k = min(len(tokens), budget, self._chunk_cap(group, seq))
                     budget -= k
                     need += G * cdiv(k, bs)
                     allocs.append(bm.Allocate(seq.seq_id, list(tokens), k, group.cache_salt,
@@ -242,6 +242,21 @@ class Scheduler(Intake, Preemption, Results):
         if not more:
             plan.phase = StepPhase.SETTLED
         return plan.request if more else None
+
+    def _chunk_cap(self, group: SequenceGroup, seq: Sequence) -> int:
+        """Tokens one prefill chunk may take. A hybrid KV cache's sliding groups
+        hold a whole chunk plus their window, so a chunk is cut until the
+        sequence's whole life fits most of the pool (a context that fits the
+        windows is never refused for its chunk). Dense models: no cap."""
+        cfg = self.cfg
+        if not cfg.kv_group_windows or not cfg.enable_chunked_prefill:
+            return cfg.max_num_batched_tokens
+        total = min(seq.num_prompt_tokens + group.params.max_tokens, cfg.max_model_len)
+        room = int(self.pool.num_gpu_blocks * 0.9)
+        c = cfg.max_num_batched_tokens
+        while c > cfg.block_size and cfg.blocks_held(total, c) > room:
+            c //= 2
+        return max(c, cfg.block_size)
 
     @staticmethod
     def _append_op(seq: Sequence, k: int) -> bm.Append:

@@ -59,8 +59,10 @@ class Intake:
         if p.beam_width > 1:
             group.beam = BeamSearch(p.beam_width, len(prompt), min(len(prompt) + p.max_tokens, self.cfg.max_model_len),
                                     self.cfg.eos_token_ids, p.length_penalty, p.early_stopping)
-        # A hybrid KV cache counts each group's blocks (a sliding group holds about its window).
-        blocks_needed = self.cfg.blocks_held(len(req.prompt_token_ids) + 1)
+        # A hybrid KV cache counts each group's blocks (a sliding group holds about its
+        # window, prefilling in chunks as small as a block if it must: Scheduler._chunk_cap).
+        blocks_needed = self.cfg.blocks_held(len(req.prompt_token_ids) + 1, self.cfg.block_size
+                                             if self.cfg.enable_chunked_prefill else None)
         if blocks_needed > self.pool.num_gpu_blocks:
             self._finish_group(group, FinishReason.ERROR,
                                f"prompt of {len(req.prompt_token_ids)} tokens needs {blocks_needed} KV blocks; "

@@ -26,3 +26,10 @@ def test_hybrid_outputs_exact_under_preemption(swap: bool, prefix_caching: bool)
     r = run(True, num_gpu_blocks=41, num_requests=16, swap=swap, prefix_caching=prefix_caching, shared=100)
     assert r.preemptions > 0
     assert (r.prefix_cache_hits > 0) == prefix_caching
+
+
+def test_a_context_that_fits_the_windows_is_never_refused() -> None:
+    # 72 blocks of one group's layer: a 256-token prompt prefilled whole would take 6 x 32 = 192;
+    # the scheduler cuts its chunks until its life (40 full blocks + 5 windows) fits
+    r = run(True, num_gpu_blocks=13, num_requests=3, chunk=4096)
+    assert r.pool_blocks == 72 and r.max_full_context >= 1
