@@ -41,13 +41,15 @@ class FitResult:
 
 def run(hybrid: bool, *, window: int = 32, block_size: int = 8, num_gpu_blocks: int = 129, ctx_mult: int = 8,
         num_requests: int = 48, max_tokens: int = 64, num_sliding: int = 5, swap: bool = False,
-        prefix_caching: bool = True, seed: int = 0, chunk: int = 128, shared: int = 0) -> FitResult:
+        prefix_caching: bool = True, seed: int = 0, chunk: int = 128, shared: int = 0,
+        async_scheduling: bool = False) -> FitResult:
     windows = (0,) + (window,) * num_sliding
     G = len(windows)
     ctx = ctx_mult * window
     cfg = EngineConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, max_num_seqs=256,
                        max_num_batched_tokens=chunk, max_model_len=ctx + max_tokens, enable_prefix_caching=prefix_caching,
-                       preemption_mode="swap" if swap else "recompute", swap_space=1 if swap else 0)
+                       preemption_mode="swap" if swap else "recompute", swap_space=1 if swap else 0,
+                       async_scheduling="on" if async_scheduling else "off")
     # The worker's pool for the same memory: G times the blocks of one group's layers (model_runner.init).
     blocks = (num_gpu_blocks - 1) * G + 1 if hybrid else num_gpu_blocks
     cpu = (64 * G if hybrid else 64) if swap else 0
