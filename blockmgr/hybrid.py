@@ -261,7 +261,6 @@ class HybridBlockManager(BlockManager):
                 return SeqResult(seq_id, _NO_ROOM)
         events = self.events
         diffs = []
-        first_r: SeqResult | None = None
         for g in range(self.G):
             self.events = events if g == 0 else None
             try:
@@ -271,8 +270,6 @@ class HybridBlockManager(BlockManager):
             if r is not None:
                 assert r.status is _OK
                 diffs.append((g, r.table_start, r.block_ids))
-                if first_r is None:
-                    first_r = r
         if not diffs:
             return None
         d0 = diffs[0] if diffs[0][0] == 0 else (0, len(s0.table), [])

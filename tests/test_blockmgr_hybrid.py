@@ -190,3 +190,36 @@ def test_random_workload_keeps_every_invariant() -> None:
         for s in [*live, *out]:
             step(m, Free(s))
         assert m.stats().num_free_gpu_blocks == 47 and m.stats().num_free_cpu_blocks == 24
+
+
+def test_kv_events_are_group_zeros_in_vllms_format() -> None:
+    """The hybrid manager publishes exactly what a dense one publishes for the
+    same requests: group 0's blocks, vLLM's hashes; other groups' keys never show."""
+    from pagedserve.blockmgr.kv_events import BlockRemoved, BlockStored
+
+    def events(m: BlockManager) -> list[tuple]:
+        prompt = list(range(100, 121))
+        out: list[tuple] = []
+        reqs = [[Allocate(1, prompt, 21)], *[[Append(1, [t])] for t in range(12)], [Free(1)],
+                [Allocate(2, prompt[:20] + [5], 21)], [Free(2)], [Allocate(3, list(range(50, 78)), 28)]]
+        for ops in reqs:
+            m.step(StepRequest(ops))
+            m.check_integrity()
+            batch = m.take_kv_events()
+            for e in batch.events if batch else []:
+                if isinstance(e, BlockStored):
+                    out.append(("stored", tuple(e.block_hashes), e.parent_block_hash, tuple(e.token_ids), e.medium))
+                elif isinstance(e, BlockRemoved):
+                    out.append(("removed", tuple(e.block_hashes), e.medium))
+                else:
+                    out.append((type(e).__name__,))
+        return out
+
+    dense = events(BlockManager(10, 0, 4, kv_events=True))  # 9 usable: the last prompt evicts
+    hybrid = events(HybridBlockManager(19, 0, 4, kv_events=True, group_windows=[0, 8]))  # 9 per group
+    assert any(e[0] == "stored" for e in dense) and any(e[0] == "removed" for e in hybrid)
+    assert [e for e in hybrid if e[0] != "removed"] == [e for e in dense if e[0] != "removed"]
+    # which cached blocks a new prompt evicts depends on the other group's blocks in the queue,
+    # but a removal only ever names a hash stored before
+    stored = {h for e in hybrid if e[0] == "stored" for h in e[1]}
+    assert all(h in stored for e in hybrid if e[0] == "removed" for h in e[1])
