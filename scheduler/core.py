@@ -102,12 +102,15 @@ class Scheduler(Intake, Preemption, Results):
             room = self.block_stats.num_admissible_gpu_blocks + freed
         max_len = self.cfg.max_model_len
         G = self.cfg.num_kv_groups  # every KV cache group takes a block at the same boundaries
+        hybrid = bool(self.cfg.kv_group_windows)  # prefill chunks may be cut (_chunk_cap)
         for group in self.running:
             live = group.live_seqs
             if group.beam is not None and any(s.num_pending for s in live):
                 continue  # its next beams are chosen from the step in flight
             for seq in live:
-                k = min(group.tokens_to_compute(seq), budget, self._chunk_cap(group, seq))
+                k = min(group.tokens_to_compute(seq), budget)
+                if hybrid and k > 1:
+                    k = min(k, self._chunk_cap(group, seq))
                 if k <= 0 or (seq.num_pending and group.long_enough(seq, max_len)):
                     continue
                 budget -= k
@@ -137,7 +140,9 @@ class Scheduler(Intake, Preemption, Results):
                 need = 0
                 for seq in group.live_seqs:
                     tokens = seq.token_ids[:-1] if group.needs_fork else seq.token_ids
-                    k = min(len(tokens), budget, self._chunk_cap(group, seq))
+                    k = min(len(tokens), budget)
+                    if hybrid and k > 1:
+                        k = min(k, self._chunk_cap(group, seq))
                     budget -= k
                     need += G * cdiv(k, bs)
                     allocs.append(bm.Allocate(seq.seq_id, list(tokens), k, group.cache_salt,
