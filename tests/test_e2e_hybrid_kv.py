@@ -66,3 +66,57 @@ def test_gemma3_hybrid_kv_cache_exact_through_the_four_processes(
         assert info.prefix_cache_hits > 0, f"{run}: no prefix-cache hit"
     if hybrid:
         assert info.num_gpu_blocks == 48
+
+
+def test_three_times_as_many_sequences_run_through_the_four_processes(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Acceptance 3 on the real processes: the same --num-gpu-blocks, prompts of
+    8 x the window (256 tokens, window 32) then 64 decoded. The scheduler's
+    stats are polled; while requests wait (the pool is the limit), the median
+    number running at once, with and without the hybrid cache."""
+    import random
+    import statistics
+    import threading
+    import time
+
+    folder = make_tiny_model(tmp_path_factory.mktemp("gemma3w32"), "gemma3", seed=3, sliding_window=32)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(256)] for _ in range(48)]
+    seen = {}
+    for hybrid in (False, True):
+        with serve("--model", folder, "--block-size", str(BLOCK), "--num-gpu-blocks", "257",
+                   "--max-num-batched-tokens", "512", "--max-num-seqs", "64", "--dtype", "float32",
+                   "--preemption-mode", "recompute", "--no-enable-prefix-caching",
+                   *([] if hybrid else ["--disable-hybrid-kv-cache-manager"])) as server:
+            done = threading.Event()
+            samples: list[tuple[int, int]] = []
+
+            def poll() -> None:
+                with server.client() as c:
+                    while not done.is_set():
+                        i = c.server_info()
+                        samples.append((i.num_running, i.num_waiting))
+                        time.sleep(0.01)
+
+            t = threading.Thread(target=poll)
+            t.start()
+
+            def one(p: list[int]) -> int:
+                with server.client() as c:
+                    ids, _, reason = c.generate(p, max_tokens=64, temperature=0.0, ignore_eos=True, timeout=600)
+                    assert reason == "length"
+                    return len(ids)
+
+            try:
+                with concurrent.futures.ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+                    assert list(pool.map(one, prompts)) == [64] * len(prompts)
+            finally:
+                done.set()
+                t.join()
+            info = wait_all_free(server)
+        saturated = [r for r, w in samples if w > 0]
+        seen[hybrid] = (statistics.median(saturated), max(r for r, _ in samples), info.num_gpu_blocks,
+                        info.num_preemptions)
+    print(f"\nrunning while requests wait (median, max), pool blocks, preemptions: "
+          f"one table {seen[False]}, hybrid KV cache {seen[True]}")
+    assert seen[True][2] == 6 * seen[False][2]  # the same memory
+    assert seen[True][0] >= 3 * seen[False][0]
