@@ -223,3 +223,22 @@ def test_kv_events_are_group_zeros_in_vllms_format() -> None:
     # but a removal only ever names a hash stored before
     stored = {h for e in hybrid if e[0] == "stored" for h in e[1]}
     assert all(h in stored for e in hybrid if e[0] == "removed" for h in e[1])
+
+
+def test_kv_groups_of_todays_families() -> None:
+    from pagedserve.gpuworker.kv_groups import kv_groups
+
+    s, f = 512, None
+    gemma = ([s] * 5 + [f]) * 3  # Gemma 3 270M: 15 sliding, 3 full
+    g = kv_groups(gemma, 16, 32768)
+    assert g is not None and g.group_size == 3 and g.windows == (0, 512, 512, 512, 512, 512)
+    assert g.layer_group[5] == 0 and g.layer_group[11] == 0 and g.layer_group[17] == 0  # the full layers
+    assert [g.layer_slot[i] for i in (5, 11, 17)] == [0, 1, 2]
+    assert g.layer_group[:5] == (1, 1, 1, 2, 2) and g.layer_slot[:5] == (0, 1, 2, 0, 1)
+    oss = kv_groups([128, None] * 12, 16, 131072)  # gpt-oss: alternating
+    assert oss is not None and oss.windows == (0, 128) and oss.group_size == 12
+    mistral = kv_groups([4096] * 32, 16, 32768)  # every layer slides: one group
+    assert mistral is not None and mistral.windows == (4096,) and mistral.group_size == 32
+    assert kv_groups([None] * 4, 16, 4096) is None  # dense
+    assert kv_groups([4096] * 4, 16, 4096) is None  # the window covers the context: nothing to free
+    assert kv_groups(gemma, 16, 32768, disabled=True) is None
