@@ -22,6 +22,14 @@ class SchedulerConfig:
     def num_kv_groups(self) -> int:
         return len(self.kv_group_windows) or 1
 
+    def table_blocks(self, num_blocks: int) -> int:
+        """Blocks a running sequence whose tables are ``num_blocks`` long holds
+        (an estimate for a hybrid KV cache: a sliding group about its window)."""
+        if not self.kv_group_windows:
+            return num_blocks
+        bs = self.block_size
+        return sum(num_blocks if w == 0 else min(num_blocks, -(-w // bs) + 1) for w in self.kv_group_windows)
+
     def blocks_held(self, num_tokens: int, chunk: int | None = None) -> int:
         """Blocks (all groups) a sequence of ``num_tokens`` holds at most, computing
         ``chunk`` tokens a step (default: max_num_batched_tokens); a dense model: its table."""

@@ -158,7 +158,8 @@ class Intake:
 
     def _finish_seq(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):
-            self.carry.frees[seq.seq_id] = seq.num_blocks if seq.status is SeqStatus.RUNNING else 0
+            running = seq.status is SeqStatus.RUNNING
+            self.carry.frees[seq.seq_id] = self.cfg.table_blocks(seq.num_blocks) if running else 0
         if seq.known_to_worker:
             self.carry.drops.append(seq.seq_id)
             seq.known_to_worker = False

@@ -21,9 +21,7 @@ def victim_blocks(group: SequenceGroup, cfg: SchedulerConfig | None = None) -> i
     KV cache's sliding groups hold about a window each)."""
     if cfg is None or not cfg.kv_group_windows:
         return sum(s.num_blocks for s in group.live_seqs)
-    bs = cfg.block_size
-    return sum(s.num_blocks if w == 0 else min(s.num_blocks, -(-w // bs) + 1)
-               for s in group.live_seqs for w in cfg.kv_group_windows)
+    return sum(cfg.table_blocks(s.num_blocks) for s in group.live_seqs)
 
 
 class Preemption:
