@@ -81,13 +81,18 @@ class KVEventLog:
         self._made_of[key] = (parent, list(token_ids), sha256_cbor_block(up[2] if up else root, token_ids))
 
     def stored(self, key: bytes, medium: str) -> None:
-        parent, tokens, vllm_hash = self._made_of[key]
+        made = self._made_of.get(key)
+        if made is None:  # a key never ``keyed``: a hybrid model's non-first KV cache group
+            return
+        parent, tokens, vllm_hash = made
         self._cached_in.setdefault(key, set()).add(medium)
         up = self._made_of.get(parent)  # vLLM's parent is None for a chain's first block
         self._events.append(BlockStored([external_hash(vllm_hash)], external_hash(up[2]) if up else None,
                                         tokens, self.block_size, None, medium, None))
 
     def removed(self, key: bytes, medium: str) -> None:
+        if key not in self._made_of:  # never keyed (see ``stored``)
+            return
         where = self._cached_in.get(key)
         if where is not None:
             where.discard(medium)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from pagedserve.blockmgr.block_pool import Block, BlockPool
 from pagedserve.blockmgr.prefix_cache import hash_block, lookup_prefix, root_key
-from pagedserve.blockmgr.seq_table import BlockManagerError, SeqTable
+from pagedserve.blockmgr.seq_table import NULL_ENTRY, BlockManagerError, SeqTable
 from pagedserve.blockmgr.kv_events import MEDIUM_CPU, MEDIUM_GPU, KVEventBatch, KVEventLog
 from pagedserve.blockmgr.swap import SwapOps
 from pagedserve.common.blocks import NULL_BLOCK, NUM_RESERVED_GPU_BLOCKS, cdiv, usable_gpu_blocks
@@ -215,11 +215,22 @@ class BlockManager(SwapOps):
         hits, key, queried, num_cached, num_sched, need = self._plan_allocate(
             seq_id, token_ids, num_new_tokens, cache_salt, skip_prefix_lookup
         )
-        gpu = self.gpu
-        if gpu.num_free - need < self.watermark_blocks:
+        if self.gpu.num_free - need < self.watermark_blocks:
             return SeqResult(seq_id, _NO_ROOM)
-        for b in hits:
-            gpu.ref(b)
+        return self._install(seq_id, token_ids, hits, key, queried, num_cached, num_sched)
+
+    def _install(
+        self, seq_id: int, token_ids: list[int], hits: list[Block], key: bytes, queried: int,
+        num_cached: int, num_sched: int, hits_reffed: bool = False,
+    ) -> SeqResult:
+        """The table of an admitted prompt: ``hits`` (cached blocks, or
+        NULL_ENTRY before a sliding window; already referenced when
+        ``hits_reffed``), then fresh blocks; room checked."""
+        gpu = self.gpu
+        if not hits_reffed:
+            for b in hits:
+                if b is not NULL_ENTRY:
+                    gpu.ref(b)
         bs = self.block_size
         total = num_cached + num_sched
         table = hits + [gpu.take() for _ in range(cdiv(total, bs) - len(hits))]
@@ -305,7 +316,8 @@ class BlockManager(SwapOps):
             raise BlockManagerError(f"seq_id {child_seq_id} already has a block table")
         ref = self.gpu.ref
         for b in p.table:
-            ref(b)
+            if b is not NULL_ENTRY:
+                ref(b)
         start = p.start_of(self._step_no)
         self.seqs[child_seq_id] = SeqTable(list(p.table), p.num_tokens, list(p.tail), p.last_key,
                                            step_start=None if start is None else (*start[:3], list(start[3]), start[4]),
@@ -317,7 +329,8 @@ class BlockManager(SwapOps):
         del self.seqs[seq_id]
         unref = (self.cpu if s.on_cpu else self.gpu).unref
         for b in reversed(s.table):  # tail first: evicted before the chain's head
-            unref(b)
+            if b is not NULL_ENTRY:
+                unref(b)
 
     # ---- introspection ------------------------------------------------------
 
@@ -342,14 +355,14 @@ class BlockManager(SwapOps):
         bs = self.block_size
         refs: tuple[dict[int, int], dict[int, int]] = ({}, {})
         for seq_id, s in self.seqs.items():
-            ids = [b.block_id for b in s.table]
+            ids = [b.block_id for b in s.table if b is not NULL_ENTRY]
             if len(set(ids)) != len(ids):
                 raise AssertionError(f"seq {seq_id}: a block appears twice in its table {ids}")
-            if len(ids) != cdiv(s.num_tokens, bs):
-                raise AssertionError(f"seq {seq_id}: {len(ids)} blocks for {s.num_tokens} tokens")
+            if len(s.table) != cdiv(s.num_tokens, bs):
+                raise AssertionError(f"seq {seq_id}: {len(s.table)} blocks for {s.num_tokens} tokens")
             pool = self.cpu if s.on_cpu else self.gpu
             for b in s.table:
-                if pool.blocks[b.block_id] is not b:
+                if b is not NULL_ENTRY and pool.blocks[b.block_id] is not b:
                     raise AssertionError(f"seq {seq_id}: block {b.block_id} is not from the {'CPU' if s.on_cpu else 'GPU'} pool")
             counts = refs[s.on_cpu]
             for i in ids:

@@ -6,6 +6,12 @@ from dataclasses import dataclass
 from pagedserve.blockmgr.block_pool import Block
 
 
+# A table entry for a block a sliding-window group released (hybrid KV cache):
+# the null block, in no pool and never ref-counted. Tables hold it only before
+# the window; dense models never see it. On the wire it is block 0.
+NULL_ENTRY = Block(0)
+
+
 class BlockManagerError(ValueError):
     """A protocol error (unknown or duplicate sequence, wrong state). Earlier
     ops of the same step stay applied: the caller should reset."""

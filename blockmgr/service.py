@@ -20,6 +20,7 @@ import zmq
 
 from pagedserve.blockmgr.kv_publisher import KVEventPublisher
 from pagedserve.blockmgr.manager import BlockManager
+from pagedserve.blockmgr.hybrid import make_block_manager
 from pagedserve.common.kv_events_config import KVEventsConfig
 from pagedserve.common.config import add_address_args, add_engine_args, addresses_from_args, check_addresses
 from pagedserve.common.ipc import BadFrame, RepServer
@@ -48,10 +49,7 @@ class _Handler:
                 return ErrorReply("not initialised: send InitRequest first")
             return self.mgr.step(msg)
         if isinstance(msg, InitRequest):
-            self.mgr = BlockManager(
-                msg.num_gpu_blocks, msg.num_cpu_blocks, msg.block_size, msg.enable_prefix_caching, msg.watermark,
-                kv_events=self.kv_events,
-            )
+            self.mgr = make_block_manager(msg, kv_events=self.kv_events)
             gc.collect()
             gc.freeze()  # the block objects live forever: keep them out of GC scans
             return Ack()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagedserve.blockmgr.block_pool import Block, BlockPool
-from pagedserve.blockmgr.seq_table import BlockManagerError, SeqTable
+from pagedserve.blockmgr.seq_table import NULL_ENTRY, BlockManagerError, SeqTable
 from pagedserve.common.blocks import cdiv
 
 
@@ -79,7 +79,7 @@ class SwapOps:
         out = dst is self.cpu
         for s in group:
             for b in s.table[: self._blocks_before_step(s)] if out else s.table:
-                if b.block_id in seen:
+                if b is NULL_ENTRY or b.block_id in seen:
                     continue
                 seen.add(b.block_id)
                 d = self._existing(b, dst)
@@ -95,6 +95,9 @@ class SwapOps:
         for s in group:
             new_table = []
             for b in s.table:
+                if b is NULL_ENTRY:  # released by a sliding-window group: stays released
+                    new_table.append(b)
+                    continue
                 d = moved.get(b.block_id)
                 if d is None:
                     d = self._existing(b, dst)
@@ -117,7 +120,8 @@ class SwapOps:
                 moved[b.block_id] = d
                 new_table.append(d)
             for b in reversed(s.table):
-                src.unref(b)
+                if b is not NULL_ENTRY:
+                    src.unref(b)
             s.table = new_table
             s.on_cpu = not to_gpu
         return mapping

@@ -80,6 +80,9 @@ class EngineConfig:
     max_num_partial_prefills: int | None = None
     max_model_len: int | None = None  # None: the model's own
     enable_prefix_caching: bool = True
+    # vLLM's flag: one block table for every layer even when some slide (no block is freed
+    # when it leaves a window); off by default, so hybrid models free them (docs/blockmgr.md)
+    disable_hybrid_kv_cache_manager: bool = False
     kv_watermark: float = DEFAULT_WATERMARK  # share of KV blocks kept free when admitting
     preemption_mode: str = "recompute"  # recompute | swap | auto
     # on: plan step N+1 while the worker runs step N; auto: on with CUDA only (on
@@ -295,6 +298,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     # The earlier spelling, kept working.
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="same as --no-enable-prefix-caching")
+    arg("--disable-hybrid-kv-cache-manager", env_name="DISABLE_HYBRID_KV_CACHE_MANAGER",
+        default=env_flag("DISABLE_HYBRID_KV_CACHE_MANAGER", d.disable_hybrid_kv_cache_manager), action="store_true",
+        text="keep every block of sliding-window layers (one table per sequence for all layers) instead of "
+             "freeing those outside the window")
     arg("--kv-watermark", env_name="KV_WATERMARK", default=d.kv_watermark, type=float,
         text="share of KV blocks kept free when admitting new requests")
     arg("--preemption-mode", env_name="PREEMPTION_MODE", default=d.preemption_mode,
@@ -379,7 +386,7 @@ def engine_argv(cfg: EngineConfig) -> list[str]:
             if not v:
                 out.append("--no-enable-chunked-prefill")
             continue
-        if f.name in ("enforce_eager", "trust_remote_code"):
+        if f.name in ("enforce_eager", "trust_remote_code", "disable_hybrid_kv_cache_manager"):
             if v:
                 out.append("--" + f.name.replace("_", "-"))
             continue

@@ -51,6 +51,8 @@ def prepare_batch(
     bs = block_size
     input_ids: list[int] = []
     seq_lens, starts, tables, sample_rows, sample_idx = [], [], [], [], []
+    num_groups = len(scheduled[0][0].group_tables) if scheduled else 0  # > 0: a hybrid KV cache
+    group_tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
     plans: list[PromptLogprobPlan] = []
     for row, (seq, n) in enumerate(scheduled):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -65,6 +67,11 @@ def prepare_batch(
         seq_lens.append(end)
         starts.append(start)
         tables.append(seq.block_ids[: (end + bs - 1) // bs])
+        for g in range(1, num_groups):
+            t = seq.group_tables[g]
+            if len(t) * bs < end:
+                raise ValueError(f"seq {seq.seq_id}: {len(t)} blocks of KV cache group {g} cannot hold {end} tokens")
+            group_tables[g].append(t[: (end + bs - 1) // bs])
         if end == len(seq.token_ids):
             sample_rows.append(row)
             sample_idx.append(len(input_ids) - 1)
@@ -79,6 +86,9 @@ def prepare_batch(
                     seq.token_ids[start + 1 : last + 1], k,
                 ))
     meta, positions = attention_metadata(seq_lens, starts, tables, bs, device)
+    if num_groups:  # each group's layers read their group's tables and slots
+        meta.groups = [meta] + [attention_metadata(seq_lens, starts, group_tables[g], bs, device)[0]
+                                for g in range(1, num_groups)]
     ids = to_device(torch.tensor(input_ids, dtype=torch.long), device)
     idx = to_device(torch.tensor(sample_idx, dtype=torch.long), device)
     return Batch(ids, positions, meta, sample_rows, idx, plans, decode_only=len(input_ids) == len(scheduled))

@@ -34,6 +34,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     max_seq_len: int
     max_query_len: int
+    # A hybrid KV cache: every group's metadata (this one is group 0's); a
+    # layer with ``PagedAttention.kv_group`` set reads its group's.
+    groups: list["AttentionMetadata"] | None = None
 
 
 def layer_sliding_window(cfg: Any, layer: int) -> int | None:
@@ -228,6 +231,7 @@ class PagedAttention(nn.Module):
         self.k_scale, self.v_scale = unit_scale("cpu"), unit_scale("cpu")
         self.sliding_window, self.softcap = sliding_window, softcap
         self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32)) if sinks else None
+        self.kv_group: int | None = None  # a hybrid KV cache's group (set by the runner)
         self.extras: dict[str, Any] = {}  # only the features this layer uses reach the backend
         if sliding_window is not None:
             self.extras["sliding_window"] = sliding_window
@@ -245,6 +249,8 @@ class PagedAttention(nn.Module):
         """q, k and v packed in the rows of ``qkv`` (a fused projection's
         output): rotary embedding, cache write, attention. The CPU path does
         the first two in one compiled pass and reads q in place."""
+        if self.kv_group is not None and meta.groups is not None:
+            meta = meta.groups[self.kv_group]
         n, q_size, kv_size = qkv.shape[0], self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         k_cache, v_cache = kv_cache
         if self.backend.name == "torch" and cpu_ops.rope_and_cache(
@@ -264,6 +270,8 @@ class PagedAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.kv_group is not None and meta.groups is not None:
+            meta = meta.groups[self.kv_group]
         k_cache, v_cache = kv_cache
         self.backend.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return self._attend(q, kv_cache, meta)

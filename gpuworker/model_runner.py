@@ -41,6 +41,7 @@ from pagedserve.gpuworker.cache_engine import CacheEngine, bytes_per_block
 from pagedserve.gpuworker.cpu_gemm import pack_model
 from pagedserve.gpuworker.cuda_graph import DecodeGraphs
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, rank_device
+from pagedserve.gpuworker.kv_groups import KVGroups, kv_groups
 from pagedserve.gpuworker.inputs import PromptLogprobPlan, attention_metadata, prepare_batch
 from pagedserve.gpuworker.layers import PagedAttention
 from pagedserve.gpuworker.loader import context_limit, eos_token_ids, iter_weights, load_hf_config
@@ -98,11 +99,16 @@ class ModelRunner:
         source: ModelSource | None = None,
         cuda_graphs: bool | None = None,
         keep_logits: bool = False,
+        hybrid_kv: bool = False,
     ) -> None:
         """``cuda_graphs``: None follows $PAGEDSERVE_CUDA_GRAPHS (default on);
         graphs are used only on CUDA, with the Triton backend, on one rank.
         ``keep_logits``: keep the last step's logits in ``last_logits`` (tests
-        compare them; serving must not hold them past the step)."""
+        compare them; serving must not hold them past the step).
+        ``hybrid_kv``: the driver speaks per-group block tables (the scheduler
+        does; the gpuworker service sets it): a hybrid model then gets KV cache
+        groups (kv_groups.py), unless --disable-hybrid-kv-cache-manager. Off, every
+        model keeps one table per sequence for all layers."""
         self.cfg, self.tp, self.source = cfg, tp, source
         configure_kernels()
         self.device = rank_device(cfg.device, tp.rank)
@@ -111,6 +117,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.states = SeqStates()  # every sequence's tokens, block table and progress
         self.keep_logits = keep_logits
+        self.hybrid_kv = hybrid_kv and not cfg.disable_hybrid_kv_cache_manager
+        self.kv_groups: KVGroups | None = None  # set by init
         self.last_logits: dict[int, torch.Tensor] = {}  # seq_id -> float32 [vocab], with keep_logits
         self.ready: WorkerReady | None = None
         self.profile: dict[str, int] = {}  # CUDA memory profile (bytes), when the pool was sized from it
@@ -166,10 +174,29 @@ class ModelRunner:
         # shared, so the group agrees on the smallest count.
         num_gpu_blocks = tp.all_reduce_min(self._num_gpu_blocks(per_block))
         num_cpu_blocks = int(cfg.swap_space * (1 << 30)) // per_block
+        # A hybrid model (sliding and full layers) gets KV cache groups (kv_groups.py): the pool
+        # is one group's layers deep, with G times the blocks in the same memory (block 0 stays
+        # the one null block), so --num-gpu-blocks names the same memory as for one table.
+        attns = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        self.kv_groups = kv_groups([m.sliding_window for m in attns], cfg.block_size, self.max_model_len,
+                                   not self.hybrid_kv) if len(attns) == self.num_layers else None
+        pool_layers = self.num_layers
+        if self.kv_groups is not None:
+            G = self.kv_groups.num_groups
+            for m, g in zip(attns, self.kv_groups.layer_group):
+                m.kv_group = g
+            pool_layers = self.kv_groups.group_size
+            num_gpu_blocks = (num_gpu_blocks - 1) * G + 1
+            num_cpu_blocks *= G
+            per_block //= G
+        self.states = SeqStates(self.kv_groups.num_groups if self.kv_groups is not None else 1)
         self.cache = CacheEngine(
-            self.num_layers, num_gpu_blocks, num_cpu_blocks, cfg.block_size,
+            pool_layers, num_gpu_blocks, num_cpu_blocks, cfg.block_size,
             self.num_kv_heads, self.head_dim, self.kv_dtype, self.device, self.backend,
         )
+        # The pool pair each layer reads (layer i of every group: pair i); one list, so its identity is stable.
+        self.layer_caches = (self.cache.gpu if self.kv_groups is None
+                             else [self.cache.gpu[slot] for slot in self.kv_groups.layer_slot])
         info = ModelInfo(
             model_name=name, vocab_size=self.vocab_size, max_model_len=self.max_model_len, eos_token_ids=eos,
             num_layers=self.num_layers, num_kv_heads=self.model.total_kv_heads, head_dim=self.head_dim,
@@ -181,18 +208,24 @@ class ModelRunner:
                 f"pagedserve gpuworker: {name} ({type(self.model).__name__}, {cfg.torch_dtype_name}, {self.device}, "
                 f"attention={self.backend.name}{shard}) loaded in {load_s:.1f} s; KV pool {num_gpu_blocks} blocks x "
                 f"{cfg.block_size} = {num_gpu_blocks * cfg.block_size} tokens ({num_gpu_blocks * per_block / 2**20:.0f} MiB of {str(self.kv_dtype)[6:]}"
-                f"{' per rank' if tp.size > 1 else ''}), swap {num_cpu_blocks} blocks",
+                f"{' per rank' if tp.size > 1 else ''}), swap {num_cpu_blocks} blocks"
+                + ("" if self.kv_groups is None else
+                   f"; hybrid KV cache: {self.kv_groups.num_groups} groups of {self.kv_groups.group_size} layers, "
+                   f"windows {list(self.kv_groups.windows)}"),
                 file=sys.stderr, flush=True,
             )
-        if self.device.type == "cuda" and self.want_graphs and self.backend.name == "triton" and tp.size == 1:
+        if (self.device.type == "cuda" and self.want_graphs and self.backend.name == "triton" and tp.size == 1
+                and self.kv_groups is None):  # decode graphs capture one block table per sequence
             self.graphs = DecodeGraphs(self._forward, min(cfg.max_num_seqs, num_gpu_blocks), self.max_model_len,
                                        cfg.block_size, self.device)
             self.graphs.capture()
-        self.ready = WorkerReady(model=info, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, block_size=cfg.block_size)
+        self.ready = WorkerReady(model=info, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+                                 block_size=cfg.block_size,
+                                 kv_group_windows=[] if self.kv_groups is None else list(self.kv_groups.windows))
         return self.ready
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
-        return self.model(input_ids, positions, self.cache.gpu, meta)
+        return self.model(input_ids, positions, self.layer_caches, meta)
 
     def _num_gpu_blocks(self, per_block: int) -> int:
         cfg = self.cfg
@@ -307,7 +340,7 @@ class ModelRunner:
         if self.graphs is not None and batch.decode_only and len(scheduled) <= self.graphs.max_batch:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
-            hidden = self.model(batch.input_ids, batch.positions, self.cache.gpu, batch.meta)
+            hidden = self.model(batch.input_ids, batch.positions, self.layer_caches, batch.meta)
         # Collectives in the same order on every rank; what only rank 0 does
         # (scoring, sampling) is guarded, and its outcome travels with the
         # token ids, so a failure fails the step on every rank at one point.

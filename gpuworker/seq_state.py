@@ -9,7 +9,7 @@ sampled tokens. No torch here: the simulated worker runs without it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedserve.common.messages.types import SamplingParams
@@ -24,6 +24,8 @@ class SeqState:
     num_computed_tokens: int
     params: SamplingParams
     num_prompt_tokens: int
+    # A hybrid KV cache's tables, one per group (the first is ``block_ids``); empty for dense models.
+    group_tables: list[list[int]] = field(default_factory=list)
 
 
 class KVPool(Protocol):
@@ -44,8 +46,9 @@ def check_blocks(seq_id: int, block_ids: list[int], num_blocks: int) -> None:
 
 
 class SeqStates:
-    def __init__(self) -> None:
+    def __init__(self, num_kv_groups: int = 1) -> None:
         self.seqs: dict[int, SeqState] = {}
+        self.num_kv_groups = num_kv_groups  # > 1: a hybrid KV cache, one table per group
 
     def clear(self) -> None:
         self.seqs.clear()
@@ -67,8 +70,11 @@ class SeqStates:
             raise ValueError(f"seq {new.seq_id}: num_computed_tokens {new.num_computed_tokens} "
                              f"outside [0, {len(new.token_ids)})")
         # An empty table: this step's block diffs (applied after new_seqs) fill it.
-        self.seqs[new.seq_id] = SeqState(new.seq_id, list(new.token_ids), [],
-                                         new.num_computed_tokens, new.params, new.num_prompt_tokens)
+        st = SeqState(new.seq_id, list(new.token_ids), [], new.num_computed_tokens, new.params,
+                      new.num_prompt_tokens)
+        if self.num_kv_groups > 1:
+            st.group_tables = [st.block_ids] + [[] for _ in range(self.num_kv_groups - 1)]
+        self.seqs[new.seq_id] = st
 
     def apply(self, step: ExecuteStep, pool: KVPool) -> list[tuple[SeqState, int]]:
         """Everything of ``step`` before the forward; returns (state, tokens to compute) in batch order."""
@@ -78,12 +84,19 @@ class SeqStates:
             self._add(new)
         for diff in step.block_diffs:
             seq = self.get(diff.seq_id)
-            if diff.table_start > len(seq.block_ids):
+            if diff.group:
+                if not 0 < diff.group < len(seq.group_tables):
+                    raise ValueError(f"seq {diff.seq_id}: block diff for KV cache group {diff.group} "
+                                     f"of {max(1, len(seq.group_tables))}")
+                table = seq.group_tables[diff.group]
+            else:
+                table = seq.block_ids
+            if diff.table_start > len(table):
                 raise ValueError(f"seq {diff.seq_id}: block diff starts at {diff.table_start} "
-                                 f"past its table of {len(seq.block_ids)}")
+                                 f"past its table of {len(table)}")
             check_blocks(diff.seq_id, diff.block_ids, pool.num_gpu_blocks)
-            del seq.block_ids[diff.table_start:]
-            seq.block_ids.extend(diff.block_ids)
+            del table[diff.table_start:]
+            table.extend(diff.block_ids)
         pool.swap_out(step.swap_out)
         pool.swap_in(step.swap_in)
         pool.copy(step.copies)

@@ -106,7 +106,7 @@ def _start_ranks(cfg: EngineConfig, argv: list[str]) -> tuple[ModelRunner, list[
     except BaseException:
         _stop_ranks(procs)
         raise
-    return ModelRunner(cfg, tp), procs
+    return ModelRunner(cfg, tp, hybrid_kv=True), procs
 
 
 def _stop_ranks(procs: list[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
@@ -123,7 +123,7 @@ def _follow(cfg: EngineConfig, rank: int, port: int) -> int:
     Ctrl-C reaches the whole process group; rank 0 decides when to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     tp = init_group(rank, cfg.tensor_parallel_size, rank_device(cfg.device, rank), port=port)
-    runner = ModelRunner(cfg, tp)
+    runner = ModelRunner(cfg, tp, hybrid_kv=True)
     try:
         runner.init()
     except Exception as e:  # noqa: BLE001
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         elif tp_size > 1:
             runner, ranks = _start_ranks(cfg, argv)
         else:
-            runner = ModelRunner(cfg)
+            runner = ModelRunner(cfg, hybrid_kv=True)
         runner.init()  # a signal during loading just ends the process: no socket exists yet
         _preload_structured(runner)
     except Exception as e:  # noqa: BLE001

@@ -147,8 +147,14 @@ def next_token(context: list[int], vocab_size: int, seed: int | None = None) -> 
 class SimWorker:
     def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0, vocab_size: int = 1000,
                  max_model_len: int = 4096, eos_token_ids: tuple[int, ...] = (), validate: bool = True,
-                 cost_model: CostModel | None = None, time_scale: float = 0.0) -> None:
+                 cost_model: CostModel | None = None, time_scale: float = 0.0,
+                 kv_group_windows: tuple[int, ...] = ()) -> None:
+        """``kv_group_windows``: simulate a hybrid KV cache (one table per group,
+        0 for a full group, else its window; ``num_gpu_blocks`` is then the pool
+        of group blocks): every group's table is written, and read back over
+        what its layers attend to (a sliding group: the window of each query)."""
         self.num_gpu_blocks = num_gpu_blocks
+        self.kv_group_windows = tuple(kv_group_windows)
         self.num_cpu_blocks = num_cpu_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -159,7 +165,7 @@ class SimWorker:
         self.time_scale = time_scale
         self.simulated_time_s = 0.0  # sum of modelled step times
         self.pool = _SlotPool(num_gpu_blocks, num_cpu_blocks, block_size)
-        self.states = SeqStates()
+        self.states = SeqStates(len(self.kv_group_windows) or 1)
         self.tokens_computed = 0
 
     @classmethod
@@ -190,7 +196,8 @@ class SimWorker:
         name = f"simulated:{self.cost_model.name}" if self.cost_model else "simulated"
         info = ModelInfo(name, self.vocab_size, self.max_model_len, self.eos_token_ids, 1, 1, 1,
                          "none", "sim")
-        return wk.WorkerReady(info, self.num_gpu_blocks, self.num_cpu_blocks, self.block_size)
+        return wk.WorkerReady(info, self.num_gpu_blocks, self.num_cpu_blocks, self.block_size,
+                              list(self.kv_group_windows))
 
     def reset(self) -> None:
         self.states.clear()
@@ -210,21 +217,26 @@ class SimWorker:
                 raise SimulationError(f"seq {st.seq_id}: scheduled past its known tokens")
             if end > len(st.block_ids) * bs:
                 raise SimulationError(f"seq {st.seq_id}: {end} tokens but {len(st.block_ids)} blocks")
-            table, toks = st.block_ids, st.token_ids
-            for pos in range(st.num_computed_tokens, end):
-                pool[table[pos // bs] * bs + pos % bs] = toks[pos]
+            toks = st.token_ids
+            for table in st.group_tables or [st.block_ids]:
+                if end > len(table) * bs:
+                    raise SimulationError(f"seq {st.seq_id}: {end} tokens but {len(table)} blocks in a KV cache group")
+                for pos in range(st.num_computed_tokens, end):
+                    pool[table[pos // bs] * bs + pos % bs] = toks[pos]
             cost_seqs.append((st.num_computed_tokens, n))
         # ... then read each context back through the block table.
         sampled: list[wk.SampledToken] = []
         for st, n in scheduled:
             end = st.num_computed_tokens + n
             if self.validate:
-                table = st.block_ids
-                seen = [pool[table[p // bs] * bs + p % bs] for p in range(end)]
-                if seen != st.token_ids[:end]:
-                    bad = next(p for p in range(end) if seen[p] != st.token_ids[p])
-                    raise SimulationError(f"seq {st.seq_id}: position {bad} reads token {seen[bad]}, "
-                                          f"expected {st.token_ids[bad]} (block {table[bad // bs]})")
+                for g, table in enumerate(st.group_tables or [st.block_ids]):
+                    w = self.kv_group_windows[g] if st.group_tables else 0
+                    lo = max(0, st.num_computed_tokens - w + 1) if w else 0  # the first query's window
+                    seen = [pool[table[p // bs] * bs + p % bs] for p in range(lo, end)]
+                    if seen != st.token_ids[lo:end]:
+                        bad = lo + next(i for i in range(end - lo) if seen[i] != st.token_ids[lo + i])
+                        raise SimulationError(f"seq {st.seq_id}: position {bad} reads token {seen[bad - lo]}, "
+                                              f"expected {st.token_ids[bad]} (group {g}, block {table[bad // bs]})")
             self.tokens_computed += n
             if end == len(st.token_ids):
                 sampled.append(wk.SampledToken(st.seq_id, next_token(st.token_ids, self.vocab_size, st.params.seed)))

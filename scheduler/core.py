@@ -101,18 +101,22 @@ class Scheduler(Intake, Preemption, Results):
         if self.block_stats is not None:
             room = self.block_stats.num_admissible_gpu_blocks + freed
         max_len = self.cfg.max_model_len
+        G = self.cfg.num_kv_groups  # every KV cache group takes a block at the same boundaries
+        hybrid = bool(self.cfg.kv_group_windows)  # prefill chunks may be cut (_chunk_cap)
         for group in self.running:
             live = group.live_seqs
             if group.beam is not None and any(s.num_pending for s in live):
                 continue  # its next beams are chosen from the step in flight
             for seq in live:
                 k = min(group.tokens_to_compute(seq), budget)
+                if hybrid and k > 1:
+                    k = min(k, self._chunk_cap(group, seq))
                 if k <= 0 or (seq.num_pending and group.long_enough(seq, max_len)):
                     continue
                 budget -= k
                 ops.append(self._append_op(seq, k))
                 if room is not None:
-                    room -= max(0, cdiv(seq.num_computed_tokens + k, bs) - seq.num_blocks)
+                    room -= G * max(0, cdiv(seq.num_computed_tokens + k, bs) - seq.num_blocks)
         num_seqs = sum(g.batch_width for g in self.running)
         # Swapped groups resume before new admissions.
         for group in self.swapped:
@@ -137,8 +141,10 @@ class Scheduler(Intake, Preemption, Results):
                 for seq in group.live_seqs:
                     tokens = seq.token_ids[:-1] if group.needs_fork else seq.token_ids
                     k = min(len(tokens), budget)
+                    if hybrid and k > 1:
+                        k = min(k, self._chunk_cap(group, seq))
                     budget -= k
-                    need += cdiv(k, bs)
+                    need += G * cdiv(k, bs)
                     allocs.append(bm.Allocate(seq.seq_id, list(tokens), k, group.cache_salt,
                                               skip_prefix_lookup=group.params.prompt_logprobs is not None))
                 # The queue's head is always tried (its prefix may be cached); later
@@ -242,6 +248,21 @@ class Scheduler(Intake, Preemption, Results):
             plan.phase = StepPhase.SETTLED
         return plan.request if more else None
 
+    def _chunk_cap(self, group: SequenceGroup, seq: Sequence) -> int:
+        """Tokens one prefill chunk may take. A hybrid KV cache's sliding groups
+        hold a whole chunk plus their window, so a chunk is cut until the
+        sequence's whole life fits most of the pool (a context that fits the
+        windows is never refused for its chunk). Dense models: no cap."""
+        cfg = self.cfg
+        if not cfg.kv_group_windows or not cfg.enable_chunked_prefill:
+            return cfg.max_num_batched_tokens
+        total = min(seq.num_prompt_tokens + group.params.max_tokens, cfg.max_model_len)
+        room = int(self.pool.num_gpu_blocks * 0.9)
+        c = cfg.max_num_batched_tokens
+        while c > cfg.block_size and cfg.blocks_held(total, c) > room:
+            c //= 2
+        return max(c, cfg.block_size)
+
     @staticmethod
     def _append_op(seq: Sequence, k: int) -> bm.Append:
         """Slots for the next ``k`` tokens. The ids the blockmgr lacks go with
@@ -253,7 +274,12 @@ class Scheduler(Intake, Preemption, Results):
 
     @staticmethod
     def _apply_table(plan: StepPlan, seq: Sequence, res: bm.SeqResult) -> None:
-        """Relay the blockmgr's diff to the worker; keep only the table's length."""
+        """Relay the blockmgr's diff to the worker; keep only the table's length
+        (group 0's: every KV cache group's table has the same length)."""
+        if res.group_diffs:  # a hybrid KV cache: one diff per group whose table changed
+            seq.num_blocks = res.table_start + len(res.block_ids)
+            plan.block_diffs += [wk.BlockDiff(seq.seq_id, start, list(ids), g) for g, start, ids in res.group_diffs]
+            return
         if not res.block_ids and res.table_start == seq.num_blocks:
             return
         seq.num_blocks = res.table_start + len(res.block_ids)

@@ -157,7 +157,7 @@ class EngineCore:
         self._worker_call(wk.ResetWorker())
         self.ready = ready
         self._block_call(bm.InitRequest(ready.num_gpu_blocks, ready.num_cpu_blocks, ready.block_size,
-                                        cfg.enable_prefix_caching, cfg.kv_watermark))
+                                        cfg.enable_prefix_caching, cfg.kv_watermark, list(ready.kv_group_windows)))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             # No chunked prefill: the budget grows to the model's length (vLLM's default then).
@@ -168,6 +168,7 @@ class EngineCore:
             eos_token_ids=ready.model.eos_token_ids,
             preemption_mode=cfg.preemption_mode,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
+            kv_group_windows=tuple(ready.kv_group_windows),
         ), PoolSize(ready.num_usable_gpu_blocks, ready.num_cpu_blocks))
 
     def _worker_call(self, req: wk.Request, timeout_s: float | None = None) -> wk.Reply:
@@ -247,7 +248,8 @@ class EngineCore:
             self.scheduler.pool = PoolSize(ready.num_usable_gpu_blocks, ready.num_cpu_blocks)
         self.ready = ready
         retry(lambda: self._block_call(bm.InitRequest(ready.num_gpu_blocks, ready.num_cpu_blocks, ready.block_size,
-                                                      self.cfg.enable_prefix_caching, self.cfg.kv_watermark),
+                                                      self.cfg.enable_prefix_caching, self.cfg.kv_watermark,
+                                                      list(ready.kv_group_windows)),
                                        RECOVERY_ATTEMPT_S))
         self.recovering = False
         self.num_recoveries += 1

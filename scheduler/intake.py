@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
-from pagedserve.common.blocks import cdiv
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.frontend import AddRequest, ErrorKind, TokenDelta
@@ -60,7 +59,10 @@ class Intake:
         if p.beam_width > 1:
             group.beam = BeamSearch(p.beam_width, len(prompt), min(len(prompt) + p.max_tokens, self.cfg.max_model_len),
                                     self.cfg.eos_token_ids, p.length_penalty, p.early_stopping)
-        blocks_needed = cdiv(len(req.prompt_token_ids) + 1, self.cfg.block_size)
+        # A hybrid KV cache counts each group's blocks (a sliding group holds about its
+        # window, prefilling in chunks as small as a block if it must: Scheduler._chunk_cap).
+        blocks_needed = self.cfg.blocks_held(len(req.prompt_token_ids) + 1, self.cfg.block_size
+                                             if self.cfg.enable_chunked_prefill else None)
         if blocks_needed > self.pool.num_gpu_blocks:
             self._finish_group(group, FinishReason.ERROR,
                                f"prompt of {len(req.prompt_token_ids)} tokens needs {blocks_needed} KV blocks; "
@@ -156,7 +158,8 @@ class Intake:
 
     def _finish_seq(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):
-            self.carry.frees[seq.seq_id] = seq.num_blocks if seq.status is SeqStatus.RUNNING else 0
+            running = seq.status is SeqStatus.RUNNING
+            self.carry.frees[seq.seq_id] = self.cfg.table_blocks(seq.num_blocks) if running else 0
         if seq.known_to_worker:
             self.carry.drops.append(seq.seq_id)
             seq.known_to_worker = False

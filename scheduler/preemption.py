@@ -16,8 +16,12 @@ from pagedserve.scheduler.plan import StepPlan
 from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
 
 
-def victim_blocks(group: SequenceGroup) -> int:
-    return sum(s.num_blocks for s in group.live_seqs)
+def victim_blocks(group: SequenceGroup, cfg: SchedulerConfig | None = None) -> int:
+    """Blocks the group holds (an estimate: sharing is not counted; a hybrid
+    KV cache's sliding groups hold about a window each)."""
+    if cfg is None or not cfg.kv_group_windows:
+        return sum(s.num_blocks for s in group.live_seqs)
+    return sum(cfg.table_blocks(s.num_blocks) for s in group.live_seqs)
 
 
 class Preemption:
@@ -50,7 +54,8 @@ class Preemption:
             if seq.is_finished:  # a stop token in the step that was in flight
                 continue
             group = self._seq_group[seq.seq_id]
-            need = max(1, cdiv(seq.num_computed_tokens + k, self.cfg.block_size) - seq.num_blocks)
+            need = max(1, self.cfg.num_kv_groups * (cdiv(seq.num_computed_tokens + k, self.cfg.block_size)
+                                                    - seq.num_blocks))
             while group.request_id not in plan.preempted and released < need:
                 victim = self.running[-1]
                 if victim is group and len(self.running) == 1:
@@ -61,7 +66,7 @@ class Preemption:
                     self._finish_group(group, FinishReason.ERROR, "sequence outgrew the KV cache", ErrorKind.KV_CACHE)
                     ops += self.carry.take_frees()[0]
                     break
-                released += victim_blocks(victim)
+                released += victim_blocks(victim, self.cfg)
                 ops += self._preempt(plan, victim)
             if group.request_id not in plan.preempted:
                 released -= need

@@ -115,6 +115,10 @@ class InitRequest(msgspec.Struct, tag=11, array_like=True):
     block_size: int
     enable_prefix_caching: bool = True
     watermark: float = DEFAULT_WATERMARK
+    # Hybrid KV cache (docs/blockmgr.md, "Sliding-window layers"): one entry per
+    # KV cache group, 0 for a full-attention group, else the group's sliding
+    # window. Empty: a dense model, one table per sequence (today's path).
+    kv_group_windows: list[int] = []
 
 
 class StatsRequest(msgspec.Struct, tag=12, array_like=True):
@@ -146,6 +150,9 @@ class SeqResult(msgspec.Struct, array_like=True):
     block_ids: list[int] = []
     num_cached_tokens: int = 0  # Allocate: prompt tokens found in the prefix cache
     num_scheduled_tokens: int = 0  # Allocate/Append: tokens given slots this step
+    # Hybrid KV cache only: (group, table_start, block_ids) for every group whose
+    # table changed (group 0's is also in table_start/block_ids). Empty for dense models.
+    group_diffs: list[tuple[int, int, list[int]]] = []
 
 
 class BlockStats(msgspec.Struct, tag=20, array_like=True):

@@ -35,6 +35,7 @@ class BlockDiff(msgspec.Struct, array_like=True):
     seq_id: int
     table_start: int
     block_ids: list[int]
+    group: int = 0  # the KV cache group's table (hybrid models; 0 for dense ones)
 
 
 class ScheduledSeq(msgspec.Struct, array_like=True):
@@ -115,6 +116,9 @@ class WorkerReady(msgspec.Struct, tag=41, array_like=True):
     num_gpu_blocks: int  # the pool, null block included
     num_cpu_blocks: int
     block_size: int
+    # Hybrid KV cache: per KV cache group, 0 (full attention) or its sliding
+    # window; empty for a dense pool (one table per sequence).
+    kv_group_windows: list[int] = []
 
     @property
     def num_usable_gpu_blocks(self) -> int:
