@@ -28,9 +28,9 @@ FAMILIES: dict[str, dict[str, object]] = {
 }
 # Extra serve flags (the later --num-gpu-blocks wins): the hybrid KV cache frees what leaves a
 # sliding window, so the quarter-sized pool no longer forces preemption for every family. Mistral's
-# one sliding group still overflows it with prefill chunks of 16; Gemma 3's six groups get the
+# and Mixtral's one sliding group still overflow it with prefill chunks of 16; Gemma 3's six groups get the
 # 8 blocks of every layer (48 of one layer) of tests/test_e2e_hybrid_kv.py.
-FLAGS: dict[str, list[str]] = {"mistral": ["--max-num-batched-tokens", "16"],
+FLAGS: dict[str, list[str]] = {"mistral": ["--max-num-batched-tokens", "16"], "mixtral": ["--max-num-batched-tokens", "16"],
                                "gemma3": ["--num-gpu-blocks", "9", "--max-num-batched-tokens", "32"]}
 
 
