@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 
-from pagedserve.common.blocks import cdiv
 from pagedserve.common.config import EngineConfig, env_flag, step_trace
 from pagedserve.common.default_model import DEFAULT_MODEL_NAME, cache_dir, resolve_model
-from pagedserve.common.messages.types import ModelInfo, SamplingParams
+from pagedserve.common.messages.types import ModelInfo
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.worker import (
     ExecuteStep,
@@ -42,26 +41,18 @@ from pagedserve.gpuworker.cpu_gemm import pack_model
 from pagedserve.gpuworker.cuda_graph import DecodeGraphs
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, rank_device
 from pagedserve.gpuworker.kv_groups import KVGroups, kv_groups
-from pagedserve.gpuworker.inputs import PromptLogprobPlan, attention_metadata, prepare_batch
+from pagedserve.gpuworker.inputs import PromptLogprobPlan, prepare_batch
 from pagedserve.gpuworker.layers import PagedAttention
 from pagedserve.gpuworker.loader import context_limit, eos_token_ids, iter_weights, load_hf_config
 from pagedserve.gpuworker.models import build_model
+from pagedserve.gpuworker.pool_sizing import pool_blocks, profile_free_bytes
 from pagedserve.gpuworker.sampler import Sampler
-from pagedserve.gpuworker.seq_state import SeqState, SeqStates
+from pagedserve.gpuworker.seq_state import SeqStates
 from pagedserve.gpuworker.step_gaps import StepGaps
 from pagedserve.gpuworker.grammar_compiler import IDLE_WAIT_S, AsyncCompiles
 from pagedserve.gpuworker.structured import StructuredDecoding
 from pagedserve.kernels import cpu_build, get_attention_backend
 from pagedserve.kernels.fp8 import kv_cache_dtype, unit_scale
-
-
-def cpu_default_kv_bytes() -> int:
-    """vLLM's CPU default (4 GiB), but at most a quarter of the machine's memory."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        ram = 16 << 30
-    return min(4 << 30, ram // 4)
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -172,7 +163,7 @@ class ModelRunner:
         per_block = bytes_per_block(self.num_layers, cfg.block_size, self.num_kv_heads, self.head_dim, self.kv_dtype)
         # Each rank sizes its own pool from its own memory; the block ids are
         # shared, so the group agrees on the smallest count.
-        num_gpu_blocks = tp.all_reduce_min(self._num_gpu_blocks(per_block))
+        num_gpu_blocks = tp.all_reduce_min(pool_blocks(cfg, self.device, self.max_model_len, per_block, self._profile))
         num_cpu_blocks = int(cfg.swap_space * (1 << 30)) // per_block
         # A hybrid model (sliding and full layers) gets KV cache groups (kv_groups.py): the pool
         # is one group's layers deep, with G times the blocks in the same memory (block 0 stays
@@ -224,60 +215,12 @@ class ModelRunner:
                                  kv_group_windows=[] if self.kv_groups is None else list(self.kv_groups.windows))
         return self.ready
 
+    def _profile(self) -> int:
+        free, self.profile = profile_free_bytes(self)
+        return free
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
         return self.model(input_ids, positions, self.layer_caches, meta)
-
-    def _num_gpu_blocks(self, per_block: int) -> int:
-        cfg = self.cfg
-        if cfg.num_gpu_blocks is not None:
-            return cfg.num_gpu_blocks
-        if cfg.kv_cache_memory is not None:
-            n = cfg.kv_cache_memory // per_block
-        elif self.device.type == "cuda":
-            n = self._profile_free_bytes() // per_block
-        else:
-            # Never more than max_num_seqs sequences of max_model_len can hold: a
-            # tiny model would otherwise get millions of blocks to manage.
-            full = cfg.max_num_seqs * cdiv(self.max_model_len, cfg.block_size) + 1
-            n = min(cpu_default_kv_bytes() // per_block, full)
-        if n < 2:
-            raise ValueError(f"KV cache memory too small: {n} blocks of {per_block} bytes")
-        return int(n)
-
-    @torch.inference_mode()
-    def _profile_free_bytes(self) -> int:
-        """Run a forward of max_num_batched_tokens (and sampling-sized logits) to
-        find the activation peak, then give gpu_memory_utilization of the
-        device, minus weights, activations and non-torch memory, to the pool."""
-        cfg, dev = self.cfg, self.device
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        free0, total = torch.cuda.mem_get_info(dev)
-        non_torch = (total - free0) - torch.cuda.memory_reserved(dev)
-        n_tok = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
-        seq_len = min(n_tok, self.max_model_len)
-        n_seqs = cdiv(n_tok, seq_len)
-        blocks_per_seq = cdiv(seq_len, cfg.block_size)
-        scratch = CacheEngine(
-            self.num_layers, n_seqs * blocks_per_seq, 0, cfg.block_size, self.num_kv_heads, self.head_dim, self.kv_dtype, dev,
-            self.backend,
-        )
-        lens = [seq_len] * (n_tok // seq_len) + ([n_tok % seq_len] if n_tok % seq_len else [])
-        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(lens))]
-        meta, positions = attention_metadata(lens, [0] * len(lens), tables, cfg.block_size, self.device)
-        ids = torch.zeros(n_tok, dtype=torch.long, device=dev)
-        hidden = self.model(ids, positions, scratch.gpu, meta)
-        logits = self.model.compute_logits(hidden[: min(cfg.max_num_seqs, n_tok)])
-        dummy = SeqState(0, [0], [], 0, SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1), 1)
-        self.sampler(logits, [dummy] * logits.shape[0])
-        torch.cuda.synchronize(dev)
-        # The scratch pages stand in for part of the pool, so they are not activations.
-        scratch_bytes = sum(t.numel() * t.element_size() for kv in scratch.gpu for t in kv)
-        peak = torch.cuda.max_memory_allocated(dev) - scratch_bytes
-        del scratch, hidden, logits
-        torch.cuda.empty_cache()
-        self.profile = {"total": total, "peak": peak, "non_torch": non_torch}  # reported by tests and bench
-        return max(0, int(total * cfg.gpu_memory_utilization) - peak - non_torch)
 
     # ---- steps ----------------------------------------------------------
     def reset(self) -> None:
