@@ -26,6 +26,11 @@ SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
         hidden_size=640, num_attention_heads=4, num_key_value_heads=1, head_dim=256, intermediate_size=2048,
         num_hidden_layers=18, sliding_window=512, query_pre_attn_scalar=256, rope_theta=1000000.0,
         rope_local_base_freq=10000.0, max_position_embeddings=32768)),
+    # Gemma 3's layer pattern at a size whose prefills are cheap here, for KV-limited serving runs.
+    "gemma3-small": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=64, intermediate_size=512,
+        num_hidden_layers=6, sliding_window=128, query_pre_attn_scalar=64, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, max_position_embeddings=4096)),
 }
 
 

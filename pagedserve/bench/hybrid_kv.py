@@ -12,11 +12,17 @@ context was at least ``ctx_mult`` x W at that moment (prompts of ``ctx_mult`` x 
 tokens, then ``max_tokens`` decoded; prefill in chunks of ``max_num_batched_tokens``).
 
     python -m pagedserve.bench.hybrid_kv [--window 32] [--num-gpu-blocks 129]
+
+``--serve MODEL``: the throughput of the same kind of workload (prompts of
+``ctx_mult`` x the model's window, all sent at once) through the real four
+processes, with and without the hybrid cache at the same ``--num-gpu-blocks``,
+in ``--rounds`` interleaved rounds with a fresh server each; the median ratio.
 """
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 from dataclasses import dataclass
 
 from pagedserve.blockmgr.hybrid import make_block_manager
@@ -84,6 +90,27 @@ def run(hybrid: bool, *, window: int = 32, block_size: int = 8, num_gpu_blocks: 
                      max_running, max_full, sch.num_preemptions, sch.num_steps, hits)
 
 
+def serve_throughput(model: str, *, ctx_mult: int, num_requests: int, max_tokens: int, num_gpu_blocks: int,
+                     rounds: int, seed: int = 0) -> dict[str, list[float]]:
+    """Output tok/s per round, hybrid and one table, rounds interleaved, a fresh server each."""
+    from transformers import AutoConfig
+
+    from pagedserve.bench.throughput import run_engine
+
+    window = int(AutoConfig.from_pretrained(model).sliding_window)
+    rng = random.Random(seed)
+    jobs = [[rng.randrange(1, 500) for _ in range(ctx_mult * window)] for _ in range(num_requests)]
+    args = ["--device", "cpu", "--dtype", "float32", "--num-gpu-blocks", str(num_gpu_blocks), "--max-num-seqs", "256"]
+    tps: dict[str, list[float]] = {"hybrid": [], "one table": []}
+    for r in range(rounds):
+        for mode in (("hybrid", "one table") if r % 2 == 0 else ("one table", "hybrid")):
+            extra = ["--disable-hybrid-kv-cache-manager"] if mode == "one table" else []
+            seconds = run_engine(model, jobs, max_tokens, args + extra)
+            tps[mode].append(num_requests * max_tokens / seconds)
+            print(f"  round {r + 1} {mode}: {tps[mode][-1]:.1f} tok/s", flush=True)
+    return tps
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--window", type=int, default=32)
@@ -93,10 +120,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--max-num-batched-tokens", type=int, default=128)
     p.add_argument("--swap", action="store_true")
+    p.add_argument("--serve", metavar="MODEL", help="throughput through the real processes on this model folder")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args(argv)
+    if a.serve:
+        tps = serve_throughput(a.serve, ctx_mult=a.ctx_mult, num_requests=a.num_requests, max_tokens=a.max_tokens,
+                               num_gpu_blocks=a.num_gpu_blocks, rounds=a.rounds)
+        ratios = [h / o for h, o in zip(tps["hybrid"], tps["one table"])]
+        print(f"{a.serve}: {a.num_requests} requests of {a.ctx_mult} x the window, {a.max_tokens} tokens each, "
+              f"--num-gpu-blocks {a.num_gpu_blocks}; hybrid / one table per round: "
+              f"{', '.join(f'{r:.2f}x' for r in ratios)}; median {statistics.median(ratios):.2f}x")
+        return
     res = [run(h, window=a.window, block_size=a.block_size, num_gpu_blocks=a.num_gpu_blocks, ctx_mult=a.ctx_mult,
                num_requests=a.num_requests, swap=a.swap, chunk=a.max_num_batched_tokens) for h in (False, True)]
-    print(f"window {a.window}, block {a.block_size}, contexts {a.ctx_mult * a.window} tokens, "
+    print(f"SIMULATED worker (real scheduler and blockmgr): window {a.window}, block {a.block_size}, contexts {a.ctx_mult * a.window} tokens, "
           f"--num-gpu-blocks {a.num_gpu_blocks}, --max-num-batched-tokens {a.max_num_batched_tokens}")
     for r in res:
         print(f"  {r.mode:28s} pool {r.pool_blocks:5d} blocks: at most {r.max_running:3d} running, "
