@@ -20,7 +20,8 @@ from torch import nn
 
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, head_range, split_range
 from pagedserve.gpuworker.layers import AttentionMetadata, PagedAttention, RotaryEmbedding, layer_sliding_window
-from pagedserve.gpuworker.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, WeightLoader, qkv_linear
+from pagedserve.gpuworker.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, qkv_linear
+from pagedserve.gpuworker.llama import load_checkpoint
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -138,15 +139,6 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(nn.Module):
     """Gemma 3 text models (270M, 1B; the text stack of the larger ones)."""
 
-    # checkpoint name -> (fused module, shard index)
-    stacked = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-
     def __init__(self, cfg: Any, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "gelu_pytorch_tanh"
@@ -195,15 +187,4 @@ class Gemma3ForCausalLM(nn.Module):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self)
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb." in name or (self.tie and name == "lm_head.weight"):
-                continue
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in self.stacked:
-                fused, shard = self.stacked[parts[-2]]
-                loader.load(".".join(parts[:-2] + [fused, parts[-1]]), tensor, shard)
-            else:
-                loader.load(name, tensor)
-        loader.finish()
+        load_checkpoint(self, weights)

@@ -15,8 +15,6 @@ expert down biases are added once, by rank 0, before the all-reduce).
 """
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -27,7 +25,7 @@ from pagedserve.gpuworker.distributed import TPGroup, head_range
 from pagedserve.gpuworker.layers import AttentionMetadata, PagedAttention, RotaryEmbedding
 from pagedserve.gpuworker.linear import RowParallelLinear, WeightLoader, qkv_linear
 from pagedserve.gpuworker.moe import _MoeForCausalLM
-from pagedserve.gpuworker.moe_layer import Activation, FusedMoE, Routing, expert_entries
+from pagedserve.gpuworker.moe_layer import Activation, FusedMoE, Routing
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -35,7 +33,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class GptOssAttention(nn.Module):
     """Column-parallel biased QKV, paged attention with this rank's heads'
     sinks (and this layer's window), row-parallel biased output projection.
-    The signature is LlamaAttention's, which MoeDecoderLayer builds."""
+    The signature is LlamaAttention's, which LlamaDecoderLayer builds."""
 
     def __init__(self, cfg: Any, head_dim: int, qkv_bias: bool, o_bias: bool, tp: TPGroup,
                  sliding_window: int | None = None) -> None:
@@ -80,6 +78,7 @@ def clamped_swiglu(alpha: float, limit: float) -> Activation:
 class GptOssForCausalLM(_MoeForCausalLM):
     attention = GptOssAttention
     renames = ((".mlp.router.", ".mlp.gate."),)
+    expert_layout = {"transposed": True, "interleaved": True}
 
     def make_mlp(self, cfg: Any, layer: int, tp: TPGroup) -> nn.Module:
         k = cfg.num_experts_per_tok
@@ -87,28 +86,15 @@ class GptOssForCausalLM(_MoeForCausalLM):
                         router_bias=True, routing=topk_softmax(k),
                         activation=clamped_swiglu(float(cfg.swiglu_alpha), float(cfg.swiglu_limit)))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self)
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            for old, new in self.renames:
-                name = name.replace(old, new)
-            if "rotary_emb.inv_freq" in name or (self.tie and name == "lm_head.weight"):
-                continue
-            m = re.fullmatch(r"(layers\.\d+\.mlp)\.(.+)", name)
-            entries = expert_entries(m.group(2), tensor, transposed=True, interleaved=True) if m else None
-            parts = name.split(".")
-            if entries is not None:
-                for param, part, shard in entries:
-                    loader.load(f"{m.group(1)}.{param}", part, shard)  # type: ignore[union-attr]
-            elif parts[-1] == "sinks":  # [all heads] -> this rank's heads, on the attention layer
-                attn = self.get_submodule(".".join(parts[:-1]))
-                if tuple(tensor.shape) != (self.cfg.num_attention_heads,):
-                    raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}")
-                loader.load(f"{'.'.join(parts[:-1])}.attn.sinks", tensor.narrow(0, attn.q0, attn.num_heads))
-            elif len(parts) >= 2 and parts[-2] in self.stacked:
-                fused, shard = self.stacked[parts[-2]]
-                loader.load(".".join(parts[:-2] + [fused, parts[-1]]), tensor, shard)
-            else:
-                loader.load(name, tensor)
-        loader.finish()
+    def load_experts(self, name: str, tensor: torch.Tensor, loader: WeightLoader) -> bool:
+        """The experts (interleaved gate/up columns), and each rank's heads' sinks."""
+        if super().load_experts(name, tensor, loader):
+            return True
+        parts = name.split(".")
+        if parts[-1] != "sinks":
+            return False
+        attn = self.get_submodule(".".join(parts[:-1]))  # [all heads] -> this rank's, on the attention layer
+        if tuple(tensor.shape) != (self.cfg.num_attention_heads,):
+            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}")
+        loader.load(f"{'.'.join(parts[:-1])}.attn.sinks", tensor.narrow(0, attn.q0, attn.num_heads))
+        return True

@@ -6,7 +6,7 @@ tensor parallelism each rank holds its heads and MLP columns (see linear.py).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -54,6 +54,43 @@ def rotary_attention(attn: PagedAttention, qkv: torch.Tensor, positions: torch.T
     return attn(q, k, v.view(n, attn.num_kv_heads, attn.head_dim), kv_cache, meta)
 
 
+# q/k/v and gate/up checkpoint names -> (fused module, shard index)
+STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# A family's own tensors: (our name, tensor, loader) -> True when it loaded them itself.
+Special = Callable[[str, torch.Tensor, WeightLoader], bool]
+
+
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], special: Special | None = None,
+                    renames: tuple[tuple[str, str], ...] = ()) -> None:
+    """Every family's checkpoint loop: names without ``model.``, renamed, rotary
+    buffers and a tied head skipped, q/k/v and gate/up into their fused
+    modules (``model.stacked``), what ``special`` takes, the rest as named."""
+    loader = WeightLoader(model)
+    stacked: dict[str, tuple[str, int]] = getattr(model, "stacked", STACKED)
+    tie = bool(getattr(model, "tie", False))
+    for name, tensor in weights:
+        name = name.removeprefix("model.")
+        for old, new in renames:
+            name = name.replace(old, new)
+        if "rotary_emb." in name or (tie and name == "lm_head.weight"):
+            continue
+        if special is not None and special(name, tensor, loader):
+            continue
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in stacked:
+            fused, shard = stacked[parts[-2]]
+            loader.load(".".join(parts[:-2] + [fused, parts[-1]]), tensor, shard)
+        else:
+            loader.load(name, tensor)
+    loader.finish()
+
+
 class LlamaAttention(nn.Module):
     """Column-parallel QKV (this rank's heads), paged attention over this
     rank's KV heads, row-parallel output projection."""
@@ -86,11 +123,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP; ``mlp`` replaces the gated MLP (an MoE layer)."""
+
     def __init__(self, cfg: Any, head_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool, tp: TPGroup,
-                 sliding_window: int | None = None, attention: type[LlamaAttention] = LlamaAttention) -> None:
+                 sliding_window: int | None = None, attention: type[LlamaAttention] = LlamaAttention,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = attention(cfg, head_dim, qkv_bias, o_bias, tp, sliding_window)
-        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -113,14 +153,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama; Qwen2 is this plus Q/K/V bias; Mistral (and Qwen2 with
     use_sliding_window) add sliding-window layers."""
 
-    # checkpoint name -> (fused module, shard index)
-    stacked = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    stacked = STACKED  # checkpoint name -> (fused module, shard index)
 
     attention: type[LlamaAttention] = LlamaAttention
     # FusedStack compiles exactly this layer structure; a subclass that changes it sets False.
@@ -179,18 +212,7 @@ class LlamaForCausalLM(nn.Module):
         return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self)
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name or (self.tie and name == "lm_head.weight"):
-                continue
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in self.stacked:
-                fused, shard = self.stacked[parts[-2]]
-                loader.load(".".join(parts[:-2] + [fused, parts[-1]]), tensor, shard)
-            else:
-                loader.load(name, tensor)
-        loader.finish()
+        load_checkpoint(self, weights)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

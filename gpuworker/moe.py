@@ -21,36 +21,11 @@ from torch import nn
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, head_range
 from pagedserve.gpuworker.layers import AttentionMetadata, RMSNorm, RotaryEmbedding, layer_sliding_window
 from pagedserve.gpuworker.linear import VocabParallelEmbedding, WeightLoader
-from pagedserve.gpuworker.llama import KVCache, LlamaAttention, LlamaMLP, _rope_params
+from pagedserve.gpuworker.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaMLP, _rope_params, load_checkpoint
 from pagedserve.gpuworker.moe_layer import FusedMoE, expert_entries, softmax_topk
 from pagedserve.gpuworker.qwen3 import Qwen3Attention
 
 __all__ = ["FusedMoE", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "softmax_topk"]
-
-class MoeDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, head_dim: int, tp: TPGroup, sliding_window: int | None,
-                 attention: type[LlamaAttention], mlp: nn.Module) -> None:
-        super().__init__()
-        bias = bool(getattr(cfg, "attention_bias", False))
-        self.self_attn = attention(cfg, head_dim, bias, bias, tp, sliding_window)
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        rotary: RotaryEmbedding,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, rotary, kv_cache, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
-
 
 class _MoeForCausalLM(nn.Module):
     """The shared decoder; subclasses say which layers are sparse and how they route."""
@@ -58,14 +33,6 @@ class _MoeForCausalLM(nn.Module):
     attention: type[LlamaAttention] = LlamaAttention
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint substring -> ours
     expert_layout: dict[str, bool] = {}  # expert_entries' transposed / interleaved, for the fused 3-D tensors
-    # checkpoint name -> (fused module, shard index), for attention and the dense MLPs
-    stacked = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
 
     def __init__(self, cfg: Any, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -79,8 +46,10 @@ class _MoeForCausalLM(nn.Module):
         self.num_layers = cfg.num_hidden_layers
         self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        attn_bias = bool(getattr(cfg, "attention_bias", False))
         self.layers = nn.ModuleList(
-            MoeDecoderLayer(cfg, self.head_dim, tp, layer_sliding_window(cfg, i), self.attention, self.make_mlp(cfg, i, tp))
+            LlamaDecoderLayer(cfg, self.head_dim, attn_bias, attn_bias, False, tp, layer_sliding_window(cfg, i),
+                              self.attention, self.make_mlp(cfg, i, tp))
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -110,26 +79,17 @@ class _MoeForCausalLM(nn.Module):
         return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        loader = WeightLoader(self)
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            for old, new in self.renames:
-                name = name.replace(old, new)
-            if "rotary_emb.inv_freq" in name or (self.tie and name == "lm_head.weight"):
-                continue
-            m = re.fullmatch(r"(layers\.\d+\.mlp)\.(.+)", name)
-            entries = expert_entries(m.group(2), tensor, **self.expert_layout) if m else None
-            if entries is not None:
-                for param, part, shard in entries:
-                    loader.load(f"{m.group(1)}.{param}", part, shard)  # type: ignore[union-attr]
-                continue
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in self.stacked:
-                fused, shard = self.stacked[parts[-2]]
-                loader.load(".".join(parts[:-2] + [fused, parts[-1]]), tensor, shard)
-            else:
-                loader.load(name, tensor)
-        loader.finish()
+        load_checkpoint(self, weights, self.load_experts, self.renames)
+
+    def load_experts(self, name: str, tensor: torch.Tensor, loader: WeightLoader) -> bool:
+        """An MoE block's expert tensors, in either checkpoint layout (moe_layer.expert_entries)."""
+        m = re.fullmatch(r"(layers\.\d+\.mlp)\.(.+)", name)
+        entries = expert_entries(m.group(2), tensor, **self.expert_layout) if m else None
+        if m is None or entries is None:
+            return False
+        for param, part, shard in entries:
+            loader.load(f"{m.group(1)}.{param}", part, shard)
+        return True
 
 
 class Qwen3MoeForCausalLM(_MoeForCausalLM):
