@@ -27,11 +27,12 @@ FAMILIES: dict[str, dict[str, object]] = {
     "mistral": dict(sliding_window=16),  # served past its window since the window is masked, not a cap
 }
 # Extra serve flags (the later --num-gpu-blocks wins): the hybrid KV cache frees what leaves a
-# sliding window, so the quarter-sized pool no longer forces preemption for every family. Mistral's
-# and Mixtral's one sliding group still overflow it with prefill chunks of 16; Gemma 3's six groups get the
-# 8 blocks of every layer (48 of one layer) of tests/test_e2e_hybrid_kv.py.
-FLAGS: dict[str, list[str]] = {"mistral": ["--max-num-batched-tokens", "16"], "mixtral": ["--max-num-batched-tokens", "16"],
-                               "gemma3": ["--num-gpu-blocks", "9", "--max-num-batched-tokens", "32"]}
+# sliding window, so a quarter-sized pool no longer forces preemption for every family by itself:
+# prefill chunks of 16 keep more sequences in flight at once (a run of Qwen3's without them once
+# preempted nothing); Gemma 3's six groups get the 8 blocks of every layer (48 of one layer) of
+# tests/test_e2e_hybrid_kv.py.
+CHUNKS = ["--max-num-batched-tokens", "16"]
+FLAGS: dict[str, list[str]] = {"gemma3": ["--num-gpu-blocks", "9", "--max-num-batched-tokens", "32"]}
 
 
 def workload() -> list[list[int]]:
@@ -68,7 +69,7 @@ def test_family_serves_exactly_through_the_four_processes(family: str, tmp_path_
             "recompute, no prefix caching": ["--preemption-mode", "recompute", "--no-enable-prefix-caching"]}
     for run, flags in runs.items():
         with serve("--model", folder, "--block-size", str(BLOCK), "--num-gpu-blocks", str(blocks + 1),
-                   "--max-num-seqs", "16", "--dtype", "float32", *FLAGS.get(family, []), *flags) as server:
+                   "--max-num-seqs", "16", "--dtype", "float32", *FLAGS.get(family, CHUNKS), *flags) as server:
             def one(p: list[int]) -> list[int]:
                 with server.client() as c:
                     ids, _, reason = c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, timeout=300)
