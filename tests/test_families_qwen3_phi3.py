@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from models import make_tiny_model
-from test_worker import BS, GREEDY, Driver, assert_logits_close, hf_logits, make_runner, prompts
+from test_worker import BS, GREEDY, Driver, assert_logits_close, check_chunks_and_decodes, hf_logits, make_runner, prompts
 from transformers import AutoModelForCausalLM, Phi3Config, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -70,19 +70,7 @@ def test_family_prefill_chunks_and_decode_match_transformers(family: str, tmp_pa
     assert type(model).__name__ == {"qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}[FAMILIES[family][0]]
     windows = [layer.self_attn.attn.sliding_window for layer in model.layers]
     assert windows == {"qwen3-sliding": [None, WINDOW], "phi3-partial-sliding": [WINDOW, WINDOW]}.get(family, [None, None])
-    d = Driver(runner)
-    ps = prompts(3, LENGTHS, seed=11)
-    d.step({0: 19, 1: 24}, new={0: (ps[0], GREEDY), 1: (ps[1], GREEDY)})  # seq 1: first chunk only
-    assert_logits_close(runner.last_logits[0], hf_logits(hf, ps[0])[-1])
-    d.step({0: 1, 1: 16, 2: 23}, new={2: (ps[2], GREEDY)})
-    for _ in range(4):
-        d.step({i: 1 for i in range(3)})
-        for i in range(3):
-            assert_logits_close(runner.last_logits[i], hf_logits(hf, d.tokens[i][:-1])[-1])
-    for i in range(3):
-        n_new = len(d.tokens[i]) - len(ps[i])
-        out = hf.generate(torch.tensor([ps[i]]), max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert d.tokens[i] == out[0].tolist()
+    check_chunks_and_decodes(runner, hf, list(LENGTHS), chunk=24, decodes=4)
 
 
 @pytest.mark.parametrize("family", ["qwen3-sliding", "phi3-longrope-long"])

@@ -15,7 +15,7 @@ import pytest
 import torch
 from models import make_tiny_model
 from safetensors.torch import load_file, save_file
-from test_worker import GREEDY, Driver, assert_logits_close, hf_logits, make_runner, prompts
+from test_worker import GREEDY, Driver, assert_logits_close, check_chunks_and_decodes, hf_logits, make_runner, prompts
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from pagedserve.common.config import EngineConfig
@@ -60,19 +60,7 @@ def test_gemma3_prefill_chunk_and_decode_match_transformers(variant: str, tmp_pa
     hf = hf_model(folder)
     runner = make_runner(folder)
     assert isinstance(runner.model, Gemma3ForCausalLM)
-    d = Driver(runner)
-    ps = prompts(3, [7, 40, 23], seed=11)  # shorter than the window, and longer
-    d.step({0: 7, 1: 20}, new={0: (ps[0], GREEDY), 1: (ps[1], GREEDY)})  # seq 1: first chunk only
-    assert_logits_close(runner.last_logits[0], hf_logits(hf, ps[0])[-1])
-    d.step({0: 1, 1: 20, 2: 23}, new={2: (ps[2], GREEDY)})
-    for _ in range(5):
-        d.step({i: 1 for i in range(3)})
-        for i in range(3):
-            assert_logits_close(runner.last_logits[i], hf_logits(hf, d.tokens[i][:-1])[-1])
-    for i in range(3):
-        n_new = len(d.tokens[i]) - len(ps[i])
-        out = hf.generate(torch.tensor([ps[i]]), max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert d.tokens[i] == out[0].tolist()
+    check_chunks_and_decodes(runner, hf, [7, 40, 23], chunk=20, decodes=5)  # shorter than the window, and longer
 
 
 def test_transformers_applies_final_softcap_and_ignores_attention_softcap(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from models import make_tiny_model
 from safetensors.torch import load_file, save_file
-from test_worker import BS, GREEDY, Driver, assert_logits_close, hf_logits, make_runner, prompts
+from test_worker import BS, GREEDY, Driver, assert_logits_close, check_chunks_and_decodes, hf_logits, make_runner, prompts
 from transformers import AutoModelForCausalLM
 
 from pagedserve.common.config import EngineConfig
@@ -83,24 +83,9 @@ def test_prefill_chunks_and_decode_match_transformers(ckpt: tuple[str, torch.nn.
     assert isinstance(runner.model, GptOssForCausalLM)
     windows = [layer.self_attn.attn.sliding_window for layer in runner.model.layers]
     assert windows == [WINDOW, None]
-    d = Driver(runner)
-    ps = prompts(3, LENGTHS, seed=11)
-    d.step({0: 12, 1: 12}, new={0: (ps[0], GREEDY), 1: (ps[1], GREEDY)})  # seq 1: its first chunk only
-    assert_logits_close(runner.last_logits[0], hf_logits(hf, ps[0])[-1])
-    d.step({0: 1, 1: 19, 2: 14}, new={2: (ps[2], GREEDY)})  # seq 1: a middle chunk, past the window
-    d.step({0: 1, 1: 9, 2: 1})  # seq 1: its last chunk
-    for i in range(3):
-        assert_logits_close(runner.last_logits[i], hf_logits(hf, d.tokens[i][:-1])[-1])
-    for _ in range(6):  # decodes cross block boundaries and, for seqs 0 and 2, the window
-        d.step({i: 1 for i in range(3)})
-        for i in range(3):
-            assert_logits_close(runner.last_logits[i], hf_logits(hf, d.tokens[i][:-1])[-1])
-    for i in range(3):
-        assert len(d.tokens[i]) - 1 > WINDOW  # fed tokens: the last query no longer sees the first key
-        n_new = len(d.tokens[i]) - len(ps[i])
-        out = hf.generate(torch.tensor([ps[i]]), max_new_tokens=n_new, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-        assert d.tokens[i] == out[0].tolist()
+    # seq 1 in chunks of 12 past the window; six decodes cross block boundaries and, for seqs 0 and 2, the window
+    d = check_chunks_and_decodes(runner, hf, list(LENGTHS), chunk=12, decodes=6)
+    assert all(len(d.tokens[i]) - 1 > WINDOW for i in range(3))  # the last query no longer sees the first key
 
 
 def test_bfloat16_within_bf16_bounds_of_transformers(ckpt: tuple[str, torch.nn.Module]) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import make_tiny_model
-from test_worker import GREEDY, Driver, assert_logits_close, hf_logits, make_runner, prompts
+from test_worker import GREEDY, Driver, assert_logits_close, check_chunks_and_decodes, hf_logits, make_runner, prompts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagedserve.common.config import EngineConfig
@@ -50,20 +50,7 @@ def test_moe_prefill_chunk_and_decode_match_transformers(family: str, checkpoint
         assert kinds == [LlamaMLP, FusedMoE, LlamaMLP, FusedMoE]
     else:
         assert set(kinds) == {FusedMoE}
-    d = Driver(runner)
-    ps = prompts(3, [7, 30, 13], seed=11)
-    d.step({0: 7, 1: 12}, new={0: (ps[0], GREEDY), 1: (ps[1], GREEDY)})  # seq 1: first chunk only
-    assert_logits_close(runner.last_logits[0], hf_logits(hf, ps[0])[-1])
-    d.step({0: 1, 1: 18, 2: 13}, new={2: (ps[2], GREEDY)})
-    assert_logits_close(runner.last_logits[1], hf_logits(hf, ps[1])[-1])
-    for _ in range(4):
-        d.step({i: 1 for i in range(3)})
-        for i in range(3):
-            assert_logits_close(runner.last_logits[i], hf_logits(hf, d.tokens[i][:-1])[-1])
-    for i in range(3):
-        n_new = len(d.tokens[i]) - len(ps[i])
-        out = hf.generate(torch.tensor([ps[i]]), max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert d.tokens[i] == out[0].tolist()
+    check_chunks_and_decodes(runner, hf, [7, 30, 13], chunk=12, decodes=4)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

@@ -103,6 +103,39 @@ def prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(length)] for length in lengths[:n]]
 
 
+def check_chunks_and_decodes(runner: ModelRunner, hf: torch.nn.Module, lengths: list[int], chunk: int,
+                             decodes: int, seed: int = 11) -> Driver:
+    """The families' exactness scenario: sequence 0 prefilled whole, sequence 1
+    in chunks of ``chunk`` beside it, sequence 2 joining at the second step,
+    then ``decodes`` decodes of all three. Every sampled row's logits within
+    1e-4 of transformers' on the same tokens, and each sequence's greedy ids
+    equal to transformers' ``generate``."""
+    d = Driver(runner)
+    ps = prompts(3, lengths, seed=seed)
+
+    def check() -> None:  # every row sampled in the step just run
+        for i, logits in runner.last_logits.items():
+            assert_logits_close(logits, hf_logits(hf, d.tokens[i][:-1])[-1])
+
+    fed = min(chunk, lengths[1])
+    d.step({0: lengths[0], 1: fed}, new={0: (ps[0], GREEDY), 1: (ps[1], GREEDY)})
+    check()
+    joined = False
+    while fed < lengths[1] or not joined:  # seq 1's further chunks; seq 2 joins with the first
+        n = min(chunk, lengths[1] - fed) or 1
+        d.step({0: 1, 1: n, 2: 1 if joined else lengths[2]}, new=None if joined else {2: (ps[2], GREEDY)})
+        fed, joined = fed + n, True
+        check()
+    for _ in range(decodes):
+        d.step({i: 1 for i in range(3)})
+        check()
+    for i in range(3):
+        n_new = len(d.tokens[i]) - len(ps[i])
+        out = hf.generate(torch.tensor([ps[i]]), max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert d.tokens[i] == out[0].tolist()
+    return d
+
+
 def test_batched_prefill_then_decode_matches_transformers(ckpt: tuple[str, torch.nn.Module]) -> None:
     folder, hf = ckpt
     runner = make_runner(folder)
