@@ -177,13 +177,17 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, self.head_dim, qkv_bias, attn_bias, bool(getattr(cfg, "mlp_bias", False)), tp,
-                              layer_sliding_window(cfg, i), self.attention)
+                              layer_sliding_window(cfg, i), self.attention, self.make_mlp(cfg, i, tp))
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if self.tie else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary: RotaryEmbedding | None = None  # built after weights are materialized
         self.fused: FusedStack | None = None  # the CPU stack in one call, for the pools it was built over
+
+    def make_mlp(self, cfg: Any, layer: int, tp: TPGroup) -> nn.Module | None:
+        """Layer ``layer``'s MLP where it is not the gated one (None): the MoE families' experts."""
+        return None
 
     def init_buffers(self, max_position: int, device: torch.device) -> None:
         params = _rope_params(self.cfg)

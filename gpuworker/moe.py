@@ -18,65 +18,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedserve.gpuworker.distributed import SINGLE, TPGroup, head_range
-from pagedserve.gpuworker.layers import AttentionMetadata, RMSNorm, RotaryEmbedding, layer_sliding_window
-from pagedserve.gpuworker.linear import VocabParallelEmbedding, WeightLoader
-from pagedserve.gpuworker.llama import KVCache, LlamaAttention, LlamaDecoderLayer, LlamaMLP, _rope_params, load_checkpoint
+from pagedserve.gpuworker.distributed import TPGroup
+from pagedserve.gpuworker.linear import WeightLoader
+from pagedserve.gpuworker.llama import LlamaForCausalLM, LlamaMLP, load_checkpoint
 from pagedserve.gpuworker.moe_layer import FusedMoE, expert_entries, softmax_topk
 from pagedserve.gpuworker.qwen3 import Qwen3Attention
 
 __all__ = ["FusedMoE", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "softmax_topk"]
 
-class _MoeForCausalLM(nn.Module):
-    """The shared decoder; subclasses say which layers are sparse and how they route."""
+class _MoeForCausalLM(LlamaForCausalLM):
+    """Llama's decoder with an MoE as the MLP of its sparse layers (``make_mlp``),
+    layer by layer (the compiled stack has no experts)."""
 
-    attention: type[LlamaAttention] = LlamaAttention
+    fused_stack = False
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint substring -> ours
     expert_layout: dict[str, bool] = {}  # expert_entries' transposed / interleaved, for the fused 3-D tensors
 
-    def __init__(self, cfg: Any, tp: TPGroup = SINGLE) -> None:
-        super().__init__()
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} for {type(self).__name__} (only silu)")
-        self.cfg = cfg
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.total_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.num_kv_heads = head_range(cfg.num_attention_heads, self.total_kv_heads, tp)[3]  # this rank's
-        self.num_layers = cfg.num_hidden_layers
-        self.tie = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        attn_bias = bool(getattr(cfg, "attention_bias", False))
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.head_dim, attn_bias, attn_bias, False, tp, layer_sliding_window(cfg, i),
-                              self.attention, self.make_mlp(cfg, i, tp))
-            for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if self.tie else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.rotary: RotaryEmbedding | None = None  # built after weights are materialized
-
-    def make_mlp(self, cfg: Any, layer: int, tp: TPGroup) -> nn.Module:
+    def make_mlp(self, cfg: Any, layer: int, tp: TPGroup) -> nn.Module | None:
         raise NotImplementedError
-
-    def init_buffers(self, max_position: int, device: torch.device) -> None:
-        params = _rope_params(self.cfg)
-        params.pop("partial_rotary_factor", None)  # as llama.py: these families turn whole heads
-        self.rotary = RotaryEmbedding(self.head_dim, max_position, params,
-                                      max_position_embeddings=getattr(self.cfg, "max_position_embeddings", None)).to(device)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        assert self.rotary is not None
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, self.rotary, kv_cache, meta)
-        return self.norm(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_checkpoint(self, weights, self.load_experts, self.renames)
