@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from e2e_util import serve
+from e2e_util import Server, serve
 from models import make_tiny_model
 
 BLOCK = 8
@@ -59,6 +59,24 @@ def pool_blocks(prompts: list[list[int]]) -> int:
     return max(max(need) + 1, sum(need) // 4)
 
 
+def greedy_all(server: Server, prompts: list[list[int]]) -> dict[int, list[int]]:
+    """Greedy ids of ``workload()``'s prompts by index: the shared prefix first, and
+    one prompt behind it, alone (so that one hits the prefix cache for sure: in a
+    small pool the batch's admissions may evict it first), then the rest at once."""
+
+    def one(p: list[int]) -> list[int]:
+        with server.client() as c:
+            ids, _, reason = c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, timeout=300)
+            assert reason == "length"
+            return list(ids)
+
+    got = {4: one(prompts[4]), 5: one(prompts[5])}
+    rest = [i for i in range(len(prompts)) if i not in got]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        got.update(zip(rest, pool.map(one, [prompts[i] for i in rest])))
+    return got
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_serves_exactly_through_the_four_processes(family: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     folder = make_tiny_model(tmp_path_factory.mktemp(family), family, seed=3, **FAMILIES[family])
@@ -70,18 +88,7 @@ def test_family_serves_exactly_through_the_four_processes(family: str, tmp_path_
     for run, flags in runs.items():
         with serve("--model", folder, "--block-size", str(BLOCK), "--num-gpu-blocks", str(blocks + 1),
                    "--max-num-seqs", "16", "--dtype", "float32", *FLAGS.get(family, CHUNKS), *flags) as server:
-            def one(p: list[int]) -> list[int]:
-                with server.client() as c:
-                    ids, _, reason = c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, timeout=300)
-                    assert reason == "length"
-                    return list(ids)
-
-            # First the shared prefix alone, and one prompt behind it alone, so that one
-            # hits the cache for sure (in a small pool the batch's admissions may evict it first).
-            got = {4: one(prompts[4]), 5: one(prompts[5])}
-            rest = [i for i in range(len(prompts)) if i not in got]
-            with concurrent.futures.ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-                got.update(zip(rest, pool.map(one, [prompts[i] for i in rest])))
+            got = greedy_all(server, prompts)
             with server.client() as c:
                 info = c.server_info()
         assert [got[i] for i in range(len(prompts))] == want, f"{family}, {run}"

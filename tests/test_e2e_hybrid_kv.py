@@ -12,7 +12,7 @@ import concurrent.futures
 import pytest
 from e2e_util import serve, wait_all_free
 from models import make_tiny_model
-from test_e2e_families import MAX_TOKENS, expected, workload
+from test_e2e_families import expected, greedy_all, workload
 
 BLOCK = 8
 
@@ -44,19 +44,9 @@ def test_gemma3_hybrid_kv_cache_exact_through_the_four_processes(
     with serve("--model", folder, "--block-size", str(BLOCK), "--num-gpu-blocks", str(blocks),
                "--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--dtype", "float32",
                *RUNS[run]) as server:
-        def one(p: list[int]) -> list[int]:
-            with server.client() as c:
-                ids, _, reason = c.generate(p, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, timeout=300)
-                assert reason == "length"
-                return list(ids)
-
-        # The shared prefix first, and another prompt behind it alone, so that one hits
-        # for sure (its sliding groups' window blocks are released but still cached);
-        # the others hit if their turn comes before the small pool evicts them.
-        got = {4: one(prompts[4]), 5: one(prompts[5])}
-        rest = [i for i in range(len(prompts)) if i not in got]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-            got.update(zip(rest, pool.map(one, [prompts[i] for i in rest])))
+        # (its sliding groups' window blocks are released but still cached, so the second prompt hits;
+        # the others hit if their turn comes before the small pool evicts them)
+        got = greedy_all(server, prompts)
         info = wait_all_free(server)
         log = "".join(server.log)
     assert ("hybrid KV cache: 6 groups of 1 layers, windows [0, 16, 16, 16, 16, 16]" in log) == hybrid, log[-2000:]
