@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence as Seq  # not the scheduler's Sequence
 
 from pagedserve.common.blocks import cdiv
 from pagedserve.common.messages import blockmgr as bm
@@ -50,13 +50,13 @@ class BlockReplyMismatch(ValueError):
 
 
 class Scheduler:
-    """The scheduler's one interface, driven by ``EngineCore``. It owns what
-    planning needs (the pool size, the blockmgr's last counts, the step
-    count) and holds one collaborator per other piece of state: ``Requests``
-    (groups, sequences, the queues), ``StepCarry`` (what a step leaves for the
-    next), ``GrammarGate`` (requests waiting for a grammar), ``Finisher`` (the
-    deltas owed to the frontend) and ``Preemptor`` (the preemption count).
-    ``Intake`` and ``StepResults`` hold no state of their own."""
+    """The scheduler's one interface, driven by ``EngineCore``. It plans and
+    sends steps and owns what planning needs (the pool size, the blockmgr's
+    last counts, the step count); each other piece of state has one owner
+    among its parts: ``Requests`` (groups, sequences, the queues),
+    ``StepCarry``, ``GrammarGate``, ``Finisher`` (the deltas owed) and
+    ``Preemptor`` (the preemption count). ``Intake``, ``BlockReplies`` and
+    ``StepResults`` hold none (docs/architecture.md, "The scheduler's parts")."""
 
     def __init__(self, cfg: SchedulerConfig, pool: PoolSize) -> None:
         self.cfg = cfg
