@@ -60,7 +60,7 @@ class Scheduler:
 
     def __init__(self, cfg: SchedulerConfig, pool: PoolSize) -> None:
         self.cfg = cfg
-        self.pool = pool  # EngineCore.recover replaces it when a restarted worker sized its pools anew
+        self.pool = pool
         self.block_stats: bm.BlockStats | None = None  # the blockmgr's, from its last reply
         self.num_steps = 0
         self._step_ids = itertools.count()
@@ -103,6 +103,10 @@ class Scheduler:
         r = self.requests
         return bool(r.waiting or r.running or r.swapped or self.carry or self.grammars.waiting)
 
+    def resize(self, pool: PoolSize) -> None:
+        """A restarted worker sized its pools anew (``EngineCore.recover``)."""
+        self.pool = pool
+
     # ------------------------------------------------------------ requests
     def add_request(self, req: AddRequest) -> None:
         self._intake.add(req, self.pool)
@@ -131,14 +135,14 @@ class Scheduler:
 
     # ------------------------------------------------------------ results
     def on_step_result(self, plan: StepPlan, result: wk.StepResult) -> list[TokenDelta]:
-        self._results.land(plan, result.step_id, "on_step_result")
+        self.carry.land(plan, result.step_id, "on_step_result")
         self._intake.on_grammars(result.grammars)
         self._results.apply(plan, result)
         return self.finisher.take()
 
     def on_step_failed(self, plan: StepPlan, message: str) -> list[TokenDelta]:
         """The worker failed the step: fail the requests it held, keep serving."""
-        self._results.land(plan, None, "on_step_failed")
+        self.carry.land(plan, None, "on_step_failed")
         self.grammars.unask(plan.compile)
         self._results.fail(plan, message)
         return self.finisher.take()
@@ -278,7 +282,7 @@ class Scheduler:
         """The worker's half of the plan; None when nothing is left to run.
         Sent, it is the plan in flight until its result is applied."""
         plan.expect(StepPhase.SETTLED, "build_execute")
-        if self.carry.in_flight is not None:
+        if self.carry.in_flight is not None:  # checked again by carry.send, before anything changed
             raise StepOrderError("build_execute: the step in flight is not applied yet")
         new_seqs = []
         for seq in plan.new_seqs:
@@ -311,6 +315,6 @@ class Scheduler:
             return None
         self.num_steps += 1
         plan.step_id, plan.phase = next(self._step_ids), StepPhase.SENT
-        self.carry.in_flight = plan
+        self.carry.send(plan)
         return wk.ExecuteStep(plan.step_id, new_seqs, diffs, scheduled, drops,
                               plan.copies, plan.swap_in, plan.swap_out, plan.compile)

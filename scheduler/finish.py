@@ -2,8 +2,8 @@
 
 ``Finisher`` owns the outbox: every ``TokenDelta`` the scheduler produces
 (sampled tokens, finishes, errors, aborts) waits here until the engine takes
-it. Finishing a sequence owes the blockmgr its blocks (``StepCarry.frees``)
-and the worker a drop (``StepCarry.drops``); finishing a request ends its
+it. Finishing a sequence owes the blockmgr its blocks (``StepCarry.owe_free``)
+and the worker a drop (``StepCarry.owe_drop``); finishing a request ends its
 open sequences with one delta each and forgets the request. The caller takes
 the group out of its queue first (``Requests``)."""
 from __future__ import annotations
@@ -36,9 +36,9 @@ class Finisher:
     def finish_seq(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status in (SeqStatus.RUNNING, SeqStatus.SWAPPED):
             running = seq.status is SeqStatus.RUNNING
-            self._carry.frees[seq.seq_id] = self._cfg.table_blocks(seq.num_blocks) if running else 0
+            self._carry.owe_free(seq.seq_id, self._cfg.table_blocks(seq.num_blocks) if running else 0)
         if seq.known_to_worker:
-            self._carry.drops.append(seq.seq_id)
+            self._carry.owe_drop(seq.seq_id)
             seq.known_to_worker = False
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

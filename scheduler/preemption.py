@@ -100,7 +100,7 @@ class Preemptor:
             s.num_blocks = 0
             s.num_pending, s.num_unknown_slots = 0, 0
             if s.known_to_worker:
-                self._carry.drops.append(s.seq_id)
+                self._carry.owe_drop(s.seq_id)
                 s.known_to_worker = False
         # Back to the queue, ahead of every later arrival.
         self._requests.requeue(group)

@@ -1,7 +1,7 @@
 """Applying the worker's ``StepResult``: computed counts, sampled tokens, stop
 conditions, beam steps and the deltas streamed to the frontend; and what each
 sequence's worker-side sampling params are. ``StepResults`` keeps no state of
-its own: it clears the plan in flight (``StepCarry``), ends sequences and
+its own: it owes new beams' forks to ``StepCarry``, ends sequences and
 requests through ``Finisher`` and moves groups through ``Requests``."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pagedserve.scheduler.beam import Hypothesis
 from pagedserve.scheduler.carry import StepCarry
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.finish import Finisher
-from pagedserve.scheduler.plan import StepOrderError, StepPhase, StepPlan
+from pagedserve.scheduler.plan import StepPlan
 from pagedserve.scheduler.requests import Requests
 from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
 
@@ -39,17 +39,9 @@ class StepResults:
         self._carry = carry
         self._finisher = finisher
 
-    def land(self, plan: StepPlan, step_id: int | None, call: str) -> None:
-        """The plan in flight, and only it, takes its result (carry.py)."""
-        plan.expect(StepPhase.SENT, call)
-        if self._carry.in_flight is not plan:
-            raise StepOrderError(f"{call}: step {plan.step_id} is not the step in flight")
-        if step_id is not None and step_id != plan.step_id:
-            raise StepOrderError(f"{call}: the result of step {step_id} for step {plan.step_id}")
-        self._carry.in_flight, plan.phase = None, StepPhase.APPLIED
-
     def apply(self, plan: StepPlan, result: wk.StepResult) -> None:
-        """The landed plan's result: tokens, stops and beam steps; deltas to the outbox."""
+        """The result of a landed plan (``StepCarry.land``): tokens, stops and
+        beam steps; the deltas go to the ``Finisher``."""
         requests, finisher = self._requests, self._finisher
         for seq, _ in plan.scheduled.values():
             seq.num_pending = 0  # computed counts moved on when the step was sent (build_execute)
@@ -118,7 +110,7 @@ class StepResults:
             child = Sequence(requests.new_seq_id(), i, parent.token_ids + [c.token_id], parent.num_prompt_tokens,
                              len(parent.token_ids), status=SeqStatus.RUNNING, cum_logprob=c.cum_logprob)
             requests.track(group, child)
-            self._carry.forks.append(bm.Fork(parent.seq_id, child.seq_id))
+            self._carry.owe_fork(bm.Fork(parent.seq_id, child.seq_id))
             children.append(child)
         for s in live:
             self._finisher.finish_seq(s, FinishReason.STOP)  # frees its blocks after the forks above
