@@ -18,7 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-MIN_POSITIVE = 1e-9  # top_p and repetition_penalty: > 0; below this they are refused
+# top_p and repetition_penalty must be > 0; below this floor they are refused. A power of two, so the
+# proto's float32 carries it exactly (the same verdict as JSON's double), and far above float32's
+# smallest values, which the worker's float32 tensors would round to 0 (a top_p of 0 masks every token).
+MIN_POSITIVE = 2.0**-30
 INT32_MAX = 2**31 - 1  # top_k is a proto int32
 MAX_SEED = 2**63 - 1
 INT64 = (-(2**63), 2**63 - 1)  # vLLM's seed type over HTTP (negatives: HTTP spellings, below)
@@ -65,12 +68,11 @@ def _f(*fields: Field) -> dict[str, Field]:
 TABLE: dict[str, Field] = _f(
     Field("max_tokens", int, 16, 1, "max_model_len",
           route_defaults={"grpc": 256, "completions": 16, "chat": None},
-          doc="a value past the room the prompt leaves is lowered to it; absent: gRPC 256, completions 16, "
-              "chat the room left (or the generation config's max_new_tokens), each lowered to the room; "
-              "chat also reads `max_completion_tokens`"),
-    Field("temperature", float, 1.0, 0.0, 2.0, doc="0 = greedy (gRPC capped at 100 before)"),
-    Field("top_p", float, 1.0, MIN_POSITIVE, 1.0, source="vLLM, with (0, 1e-9) refused as well",
-          doc="vLLM's (0, 1]"),
+          doc="past the room the prompt leaves: lowered to it; absent: the route's default (chat: the "
+              "generation config's max_new_tokens, else the room left), lowered to the room; chat also reads "
+              "`max_completion_tokens`"),
+    Field("temperature", float, 1.0, 0.0, 2.0, doc="0 = greedy"),
+    Field("top_p", float, 1.0, MIN_POSITIVE, 1.0, source="vLLM's (0, 1], with a floor of 2^-30"),
     Field("top_k", int, 0, -1, INT32_MAX, source="vLLM, capped at int32 (the proto's type)",
           doc="-1 or 0: off; a k past the vocabulary is off too"),
     Field("min_p", float, 0.0, 0.0, 1.0, doc="0: off"),
@@ -81,10 +83,10 @@ TABLE: dict[str, Field] = _f(
     Field("stop", list, (), None, 16, item_lo=1, item_hi=256, source="ours: vLLM has no count or length bound",
           doc="a string or a list of strings, each of 1..256 characters"),
     Field("stop_token_ids", list, (), None, "max_stop_ids", item_lo=0, item_hi="vocab_size", item_hi_open=True,
-          source="ours: --max-stop-ids (default 64)", doc="ids inside the vocabulary"),
-    Field("include_stop_str_in_output", bool, False),
-    Field("ignore_eos", bool, False),
-    Field("repetition_penalty", float, 1.0, MIN_POSITIVE, 10.0, source="ours: vLLM takes any finite value > 0",
+          source="ours: the server's max_stop_ids (default 64)", doc="ids inside the vocabulary"),
+    Field("include_stop_str_in_output", bool, False, source=""),
+    Field("ignore_eos", bool, False, source=""),
+    Field("repetition_penalty", float, 1.0, MIN_POSITIVE, 10.0, source="ours: vLLM takes any finite value > 0 (2^-30 as top_p)",
           doc="1.0: off"),
     Field("presence_penalty", float, 0.0, -2.0, 2.0),
     Field("frequency_penalty", float, 0.0, -2.0, 2.0),
@@ -100,8 +102,8 @@ TABLE: dict[str, Field] = _f(
           source="ours: --max-beam-width (default 8); HTTP's use_beam_search is max(n, 2) beams",
           doc="0 or 1: off; `n` <= `beam_width`"),
     Field("length_penalty", float, 1.0, -10.0, 10.0, source="ours: vLLM has no bound"),
-    Field("early_stopping", bool, False, vllm=False, source="ours"),
-    Field("detokenize", bool, True, openai=None, source="gRPC only", doc="false: token ids only; not with `stop`"),
+    Field("early_stopping", bool, False, vllm=False, source="", doc="ours (beam search)"),
+    Field("detokenize", bool, True, openai=None, source="", doc="false: token ids only; not with `stop`"),
 )
 
 SCALARS = (int, float, bool)
@@ -117,6 +119,11 @@ def _resolve(b: Bound, env: Mapping[str, Any]) -> int | float | None:
     return env[b] if isinstance(b, str) else b
 
 
+def _shown(b: Bound, value: Any) -> str:
+    """A bound in a message: a named one with its value (``max_model_len=512``)."""
+    return f"{b}={value}" if isinstance(b, str) else str(value)
+
+
 def _range(lo: Any, hi: Any, lo_open: bool, hi_open: bool) -> str:
     return f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
 
@@ -126,12 +133,14 @@ def check_value(f: Field, value: Any, env: Mapping[str, Any]) -> str | None:
     lo, hi = _resolve(f.lo, env), _resolve(f.hi, env)
     if f.type in (list, dict):
         if hi is not None and len(value) > hi:
-            return f"at most {hi} entries, got {len(value)}"
+            return f"at most {_shown(f.hi, hi)} entries, got {len(value)}"
         ilo, ihi = _resolve(f.item_lo, env), _resolve(f.item_hi, env)
         for item in (value.values() if f.type is dict else value):
             size = len(item) if isinstance(item, str) else item
             if f.item_hi == "vocab_size" and not 0 <= size < ihi:
                 return f"token id {item} is outside the vocabulary (vocab_size={ihi})"
+            if isinstance(item, str) and not ilo <= size <= ihi:
+                return f"each entry must have {ilo} to {ihi} characters, got {size}"
             if not (math.isfinite(size) and size >= ilo and (size < ihi if f.item_hi_open else size <= ihi)):
                 return f"each entry must be in {_range(ilo, ihi, False, f.item_hi_open)}, got {item!r:.80}"
         return None
@@ -142,7 +151,7 @@ def check_value(f: Field, value: Any, env: Mapping[str, Any]) -> str | None:
         hi = None if hi is None else float(hi)
     ok = math.isfinite(value) and (lo is None or (value > lo if f.lo_open else value >= lo)) \
         and (hi is None or (value < hi if f.hi_open else value <= hi))
-    return None if ok else f"must be in {_range(lo, hi, f.lo_open, f.hi_open)}, got {value}"
+    return None if ok else f"must be in {_range(_shown(f.lo, lo), _shown(f.hi, hi), f.lo_open, f.hi_open)}, got {value}"
 
 
 def check_type(f: Field, value: Any) -> str | None:
@@ -200,6 +209,8 @@ def _bound_text(f: Field) -> str:
             return "2^63 - 1"
         if b == INT32_MAX:
             return "2^31 - 1"
+        if b == MIN_POSITIVE:
+            return "2^-30"
         return f"{b:g}" if isinstance(b, float) else str(b)
 
     if f.type is bool:
@@ -214,7 +225,8 @@ def _bound_text(f: Field) -> str:
 def _default_text(f: Field) -> str:
     d = f.default
     if f.route_defaults:
-        return ", ".join(f"{k} {'room left' if v is None else v}" for k, v in f.route_defaults.items())
+        names = {"grpc": "gRPC", "completions": "completions", "chat": "chat"}
+        return ", ".join(f"{names.get(k, k)} {'room left' if v is None else v}" for k, v in f.route_defaults.items())
     return "none" if d is None or d == () or d == {} else str(d).lower() if isinstance(d, bool) else str(d)
 
 
@@ -229,5 +241,20 @@ def render_markdown() -> str:
     return "\n".join(rows) + "\n"
 
 
-if __name__ == "__main__":
-    print(render_markdown(), end="")
+def write_docs(path: str) -> None:
+    """Rewrites the field list between the request-fields markers of ``path`` (docs/api.md)."""
+    with open(path) as f:
+        text = f.read()
+    start, end = "<!-- request-fields:start -->\n", "<!-- request-fields:end -->"
+    a, b = text.index(start) + len(start), text.index(end)
+    with open(path, "w") as f:
+        f.write(text[:a] + render_markdown() + text[b:])
+
+
+if __name__ == "__main__":  # python -m pagedserve.common.request_fields [--write docs/api.md]
+    import sys
+
+    if sys.argv[1:2] == ["--write"]:
+        write_docs(sys.argv[2])
+    else:
+        print(render_markdown(), end="")

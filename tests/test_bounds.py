@@ -49,7 +49,7 @@ def test_the_edges_fall_on_both_sides() -> None:
             accepted.append((field, value))
         except ValidationError:
             pass
-    # The proto's float32 rounds 1e-9 just below the bound: twice it is the smallest sure pass.
-    assert ("top_p", 2 * MIN_POSITIVE) in accepted and ("top_p", MIN_POSITIVE / 10) not in accepted
+    # The floor is a power of two: the proto's float32 carries it exactly, so it passes.
+    assert ("top_p", MIN_POSITIVE) in accepted and ("top_p", 2 * MIN_POSITIVE) in accepted and ("top_p", MIN_POSITIVE / 10) not in accepted
     assert ("repetition_penalty", 1.4e-45) not in accepted and ("logprobs", MAX_LOGPROBS + 1) not in accepted
     assert ("top_k", -1) in accepted and ("top_k", 10**6) in accepted and ("max_tokens", 512) in accepted
