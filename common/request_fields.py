@@ -1,4 +1,4 @@
-"""The request's sampling fields, in one table: per field its type, default,
+"""The request's fields (the sampling ones and cache_salt), in one table: per field its type, default,
 bound, its vLLM/OpenAI name and whose bound it is. Everything else is derived
 from ``TABLE`` at call time: the frontend's ``validate`` (both protocols: the
 gRPC decoder and the HTTP parser only turn their wire into a dict of given
@@ -52,6 +52,8 @@ class Field:
     item_lo: Bound = None
     item_hi: Bound = None
     item_hi_open: bool = False
+    forbidden: str = ""  # str fields: characters refused
+    level: str = "sampling"  # "sampling": in SamplingParams; "request": on the request itself (GenerateRequest)
     # Per-route defaults where the protocols' own defaults differ (gRPC, completions, chat).
     route_defaults: Mapping[str, Any] = field(default_factory=dict)
     doc: str = ""
@@ -104,7 +106,11 @@ TABLE: dict[str, Field] = _f(
     Field("length_penalty", float, 1.0, -10.0, 10.0, source="ours: vLLM has no bound"),
     Field("early_stopping", bool, False, vllm=False, source="", doc="ours (beam search)"),
     Field("detokenize", bool, True, openai=None, source="", doc="false: token ids only; not with `stop`"),
+    Field("cache_salt", str, None, 1, 128, forbidden="@/\\\x00", level="request",
+          doc="none of `@ / \\` or NUL; requests share prefix-cache blocks only with the same salt; "
+              "gRPC's empty string is no salt"),
 )
+SAMPLING = tuple(name for name, f in TABLE.items() if f.level == "sampling")
 
 SCALARS = (int, float, bool)
 
@@ -131,6 +137,11 @@ def _range(lo: Any, hi: Any, lo_open: bool, hi_open: bool) -> str:
 def check_value(f: Field, value: Any, env: Mapping[str, Any]) -> str | None:
     """Why ``value`` breaks ``f``'s bound (``env``: limits and earlier fields), or None."""
     lo, hi = _resolve(f.lo, env), _resolve(f.hi, env)
+    if f.type is str:
+        if not lo <= len(value) <= hi:
+            return f"must have {lo} to {hi} characters, got {len(value)}"
+        bad = sorted({c for c in value if c in f.forbidden})
+        return f"must not contain {' '.join(repr(c) for c in bad)}" if bad else None
     if f.type in (list, dict):
         if hi is not None and len(value) > hi:
             return f"at most {_shown(f.hi, hi)} entries, got {len(value)}"
@@ -158,6 +169,8 @@ def check_type(f: Field, value: Any) -> str | None:
     """Why ``value`` (from JSON) is not of ``f``'s type, or None (HTTP; gRPC's are typed)."""
     if f.type is bool:
         return None if isinstance(value, bool) else "must be true or false"
+    if f.type is str:
+        return None if isinstance(value, str) else "must be a string"
     if isinstance(value, bool):
         return "must be an integer" if f.type is int else "must be a number"
     if f.type is int and not isinstance(value, int):
@@ -174,6 +187,8 @@ def validate(given: Mapping[str, Any], limits: Mapping[str, Any], prefix: str = 
     env = dict(limits)
     out: dict[str, Any] = {}
     for name, f in TABLE.items():
+        if f.level != "sampling":
+            continue
         value = given.get(name, f.default)
         if value is None and name == "max_tokens":
             raise ValidationError(prefix + name, "required")
@@ -184,6 +199,13 @@ def validate(given: Mapping[str, Any], limits: Mapping[str, Any], prefix: str = 
             value = float(value)  # JSON's 1 is the engine's 1.0
         out[name] = env[name] = value
     return out
+
+
+def check_field(name: str, value: Any, limits: Mapping[str, Any], prefix: str = "") -> None:
+    """One field on its own (the request-level ones: ``cache_salt``); raises ValidationError."""
+    why = check_value(TABLE[name], value, limits)
+    if why is not None:
+        raise ValidationError(prefix + name, why)
 
 
 def violation(values: Mapping[str, Any], limits: Mapping[str, Any]) -> str | None:
@@ -215,6 +237,8 @@ def _bound_text(f: Field) -> str:
 
     if f.type is bool:
         return ""
+    if f.type is str:
+        return f"{show(f.lo)} .. {show(f.hi)} characters"
     if f.type in (list, dict):
         item = _range(show(f.item_lo), show(f.item_hi), False, f.item_hi_open)
         what = "characters each" if f.type is list and f.name == "stop" else "each"

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from pagedserve.common.request_fields import TABLE
+from pagedserve.common.request_fields import SAMPLING
 from pagedserve.v1 import generation_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
@@ -28,7 +28,7 @@ def sampling_values(sp: pb.SamplingParams) -> dict[str, Any]:
     """The fields the client set: an optional one when present, a plain proto3
     scalar or list when not its zero value (which is also the table's default)."""
     out: dict[str, Any] = {}
-    for name in TABLE:
+    for name in SAMPLING:
         fd = sp.DESCRIPTOR.fields_by_name.get(name)
         if fd is None:  # an HTTP-only field
             continue

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pagedserve.common.request_fields import INT64, MAX_SEED, TABLE, check_type
+from pagedserve.common.request_fields import INT64, MAX_SEED, SAMPLING, TABLE, check_type
 from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.validation import Limits, ValidationError, check_token_ids
 
@@ -86,7 +86,8 @@ def _seed(v: Any) -> Any:
 def sampling_values(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
     """The body's sampling fields as table names (type-checked; a bound is validate's)."""
     out: dict[str, Any] = {}
-    for name, f in TABLE.items():
+    for name in SAMPLING:
+        f = TABLE[name]
         key = f.http_name
         if key is None or name in _BY_ROUTE or body.get(key) is None:
             continue

@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.common.request_fields import TABLE, check_type, check_value
 from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.openai_options import OpenAIOptions
 
@@ -46,8 +47,6 @@ _NEEDS_ENGINE = {"logprob_token_ids": "logprobs of chosen token ids",
                  "prompt_embeds": "prompt embeddings", "repetition_detection": "repetition detection"}
 _REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _INT64 = (-(2**63), 2**63 - 1)
-MAX_CACHE_SALT = 128  # vLLM's, with its forbidden characters
-_SALT_FORBIDDEN = frozenset("@/\\\x00")
 _RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})  # vLLM refuses these in chat_template_kwargs
 
 
@@ -174,10 +173,10 @@ def check_sampling(body: dict[str, Any]) -> None:
     """vLLM's refusals beyond the sampling fields' bounds (those are the table's,
     common/request_fields.py, checked by validation for both protocols)."""
     salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT
-                             or any(c in _SALT_FORBIDDEN for c in salt)):
-        raise _bad("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT} characters "
-                                 "without @ / \\ or NUL")
+    if salt is not None:  # the table's bound (validation checks it again on the request, as gRPC's)
+        why = check_type(TABLE["cache_salt"], salt) or check_value(TABLE["cache_salt"], salt, {})
+        if why is not None:
+            raise _bad("cache_salt", why)
     if body.get("use_beam_search") and body.get("stream") and not body.get("messages"):
         raise _bad("use_beam_search", "Streaming is not currently supported with beam search")
 

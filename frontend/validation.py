@@ -17,7 +17,6 @@ from pagedserve.v1 import generation_pb2 as pb
 
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # one GenerateRequest, serialized
 MAX_REQUEST_ID_LEN = 128
-MAX_CACHE_SALT_LEN = 256
 MAX_ABORT_IDS = 1024
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]+$")
 
@@ -93,8 +92,8 @@ def check_prompt_ids(ids: list[int], limits: Limits, field: str) -> None:
 
 
 def check_cache_salt(salt: str) -> None:
-    if len(salt) > MAX_CACHE_SALT_LEN:
-        raise ValidationError("cache_salt", f"longer than {MAX_CACHE_SALT_LEN} characters")
+    if salt:  # gRPC's empty string: no salt
+        request_fields.check_field("cache_salt", salt, {})
 
 
 @dataclass(frozen=True)
@@ -151,7 +150,7 @@ def validate(given: Mapping[str, Any], prompt_len: int, limits: Limits, prefix: 
     so = given.get("structured_outputs")
     structured = None if so is None else spec_from_proto(so)
     check_combination(structured, v["beam_width"], v["ignore_eos"], v["min_tokens"])
-    engine = {k: v[k] for k in request_fields.TABLE if k not in _FRONTEND_ONLY}
+    engine = {k: v[k] for k in request_fields.SAMPLING if k not in _FRONTEND_ONLY}
     params = SamplingParams(**{**engine, "stop_token_ids": tuple(v["stop_token_ids"]),
                                "logit_bias": dict(v["logit_bias"])}, structured=structured)
     return Prepared(params, tuple(v["stop"]), v["include_stop_str_in_output"], v["detokenize"])

@@ -27,8 +27,8 @@ def check_add(req: AddRequest, model: ModelInfo) -> str | None:
     vocab = model.vocab_size
     if not req.request_id or len(req.request_id) > MAX_ID_LEN:
         return "request_id: empty or too long"
-    if req.cache_salt is not None and len(req.cache_salt) > MAX_ID_LEN:
-        return "cache_salt: too long"
+    if req.cache_salt is not None and (why := request_fields.violation({"cache_salt": req.cache_salt}, {})):
+        return why
     ids = req.prompt_token_ids
     if not ids or len(ids) >= model.max_model_len:
         return f"prompt: {len(ids)} tokens; must be 1 .. {model.max_model_len - 1}"

@@ -62,7 +62,7 @@ BAD = [
     ({"prompt_token_ids": [1] * 512}, {}, "prompt_token_ids: 512 tokens leaves no room"),
     ({"request_id": "x" * 129}, {}, "request_id: longer than 128"),
     ({"request_id": "a b"}, {}, "request_id: only letters"),
-    ({"cache_salt": "s" * 257}, {}, "cache_salt: longer than 256"),
+    ({"cache_salt": "s" * 129}, {}, "cache_salt: must have 1 to 128 characters, got 129"),
     ({}, {"max_tokens": 0}, "sampling_params.max_tokens: must be in [1, max_model_len=512], got 0"),
     ({}, {"max_tokens": 600}, "sampling_params.max_tokens: must be in [1, max_model_len=512], got 600"),
     ({}, {"temperature": -1.0}, "sampling_params.temperature: must be in [0.0, 2.0]"),
