@@ -18,6 +18,7 @@ from pagedserve.common.messages.frontend import AddRequest
 from pagedserve.common.messages.types import ModelInfo
 
 MAX_N = 256  # far above the frontend's caps; bounds per-request work only
+MAX_STOP_IDS = 1 << 16  # above any --max-stop-ids an operator sets; bounds per-step work only
 MAX_ID_LEN = 1024
 
 
@@ -41,7 +42,7 @@ def check_add(req: AddRequest, model: ModelInfo) -> str | None:
     if p.beam_width > 1 and p.n > p.beam_width:
         return "n/beam_width: n exceeds beam_width"
     limits = {"vocab_size": vocab, "max_model_len": model.max_model_len, "max_n": MAX_N, "max_beam_width": MAX_N,
-              "max_stop_ids": MAX_N}
+              "max_stop_ids": MAX_STOP_IDS}
     values = {name: getattr(p, name) for name in request_fields.TABLE if hasattr(p, name)}
     why = request_fields.violation(values, limits)
     if why is not None:

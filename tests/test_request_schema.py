@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import re
 import urllib.error
@@ -31,16 +32,19 @@ import zmq
 import zmq.asyncio
 from aiohttp import ClientSession
 from grpc_health.v1 import health
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedserve.common import request_fields as rf
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages.types import SamplingParams
 from pagedserve.common.metrics import FrontendMetrics
-from pagedserve.frontend import http_gateway
+from pagedserve.frontend import http_fields, http_gateway
 from pagedserve.frontend.auth import ApiKeys
 from pagedserve.frontend.engine_client import EngineClient
 from pagedserve.frontend.generation import FrontendConfig, GenerationService
 from pagedserve.frontend.server import serve as serve_grpc
+from pagedserve.frontend.validation import Limits, sampling_params, validate
 from pagedserve.scheduler.admission import check_add
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
@@ -69,6 +73,36 @@ def test_every_table_field_is_an_engine_or_frontend_field_with_the_tables_defaul
         if name in engine and f.type in rf.SCALARS:
             assert getattr(SamplingParams(), name) == f.default, name
         assert name in pb.SamplingParams.DESCRIPTOR.fields_by_name or f.openai is not None, name
+
+
+# ------------------------------------------------------------------ one SamplingParams from either wire
+VOCAB, MAX_MODEL_LEN, PROMPT = 509, 64, [5, 6, 7]
+LIMITS = {"vocab_size": VOCAB, "max_model_len": MAX_MODEL_LEN, "max_n": 16, "max_beam_width": 8, "max_stop_ids": 64}
+def _in_bounds(f: rf.Field) -> st.SearchStrategy[Any]:
+    lo = LIMITS[f.lo] if isinstance(f.lo, str) else f.lo
+    hi = LIMITS[f.hi] if isinstance(f.hi, str) else f.hi
+    if f.type is bool:
+        return st.booleans()
+    if f.type is int:
+        return st.integers(max(lo, 0), min(hi, 2**31 - 1))  # inside every wire type
+    # multiples of 2^-7: float32 (gRPC) and double (JSON) hold them exactly
+    return st.integers(math.ceil(lo * 128), math.floor(hi * 128)).map(lambda k: k / 128)
+
+
+_DRAWN = [n for n in rf.SAMPLING if rf.TABLE[n].type in rf.SCALARS and rf.TABLE[n].vllm
+          and n not in ("max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "n", "beam_width")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.fixed_dictionaries({}, optional={n: _in_bounds(rf.TABLE[n]) for n in _DRAWN}))
+def test_the_same_fields_make_the_same_engine_params_over_either_wire(drawn: dict[str, Any]) -> None:
+    """gRPC's decoder and HTTP's parser hand validate the same values: one SamplingParams."""
+    limits = Limits(VOCAB, MAX_MODEL_LEN)
+    over_grpc = sampling_params(pb.SamplingParams(max_tokens=5, **drawn), len(PROMPT), limits).params
+    body = {"max_tokens": 5, **drawn}
+    values = {**http_fields.sampling_values(body, limits), "max_tokens": 5}
+    over_http = validate(values, len(PROMPT), limits, prefix="", route="completions").params
+    assert over_http == over_grpc
 
 
 # ------------------------------------------------------------------ a bound changed at run time
@@ -152,8 +186,6 @@ def test_a_bound_changed_in_the_table_reaches_both_protocols_admission_and_the_d
 
 
 # ------------------------------------------------------------------ every bound, both protocols
-VOCAB, MAX_MODEL_LEN, PROMPT = 509, 64, [5, 6, 7]
-LIMITS = {"vocab_size": VOCAB, "max_model_len": MAX_MODEL_LEN, "max_n": 16, "max_beam_width": 8, "max_stop_ids": 64}
 BASE_MAX_TOKENS = 4  # every case's max_tokens but max_tokens' own (min_tokens' bound)
 # Values one protocol spells differently (docs/api.md): (name, value) -> (HTTP verdict, gRPC verdict).
 HTTP_ALIASES = {("seed", -1): ("accepted", "refused"),  # vLLM's "no seed"; the uint64 wire's -1 is 2^64 - 1
