@@ -68,8 +68,8 @@ def _f(*fields: Field) -> dict[str, Field]:
 
 
 TABLE: dict[str, Field] = _f(
-    Field("max_tokens", int, 16, 1, "max_model_len",
-          route_defaults={"grpc": 256, "completions": 16, "chat": None},
+    # 16: OpenAI's and vLLM's for completions, and SamplingParams' own; gRPC and chat differ.
+    Field("max_tokens", int, 16, 1, "max_model_len", route_defaults={"grpc": 256, "chat": None},
           doc="past the room the prompt leaves: lowered to it; absent: the route's default (chat: the "
               "generation config's max_new_tokens, else the room left), lowered to the room; chat also reads "
               "`max_completion_tokens`"),
@@ -88,8 +88,8 @@ TABLE: dict[str, Field] = _f(
           source="ours: the server's max_stop_ids (default 64)", doc="ids inside the vocabulary"),
     Field("include_stop_str_in_output", bool, False, source=""),
     Field("ignore_eos", bool, False, source=""),
-    Field("repetition_penalty", float, 1.0, MIN_POSITIVE, 10.0, source="ours: vLLM takes any finite value > 0 (2^-30 as top_p)",
-          doc="1.0: off"),
+    Field("repetition_penalty", float, 1.0, MIN_POSITIVE, 10.0,
+          source="ours: vLLM takes any finite value > 0 (the floor as top_p's)", doc="1.0: off"),
     Field("presence_penalty", float, 0.0, -2.0, 2.0),
     Field("frequency_penalty", float, 0.0, -2.0, 2.0),
     Field("logit_bias", dict, {}, None, 300, item_lo=-100.0, item_hi=100.0,
@@ -118,7 +118,7 @@ SCALARS = (int, float, bool)
 def default(name: str, route: str | None = None) -> Any:
     """The field's default, or its route's (``grpc``, ``completions``, ``chat``) where that differs."""
     f = TABLE[name]
-    return f.route_defaults.get(route, f.default) if route in f.route_defaults else f.default
+    return f.route_defaults[route] if route in f.route_defaults else f.default
 
 
 def _resolve(b: Bound, env: Mapping[str, Any]) -> int | float | None:
@@ -250,7 +250,8 @@ def _default_text(f: Field) -> str:
     d = f.default
     if f.route_defaults:
         names = {"grpc": "gRPC", "completions": "completions", "chat": "chat"}
-        return ", ".join(f"{names.get(k, k)} {'room left' if v is None else v}" for k, v in f.route_defaults.items())
+        routes = ", ".join(f"{names.get(k, k)} {'room left' if v is None else v}" for k, v in f.route_defaults.items())
+        return f"{d} ({routes})"
     return "none" if d is None or d == () or d == {} else str(d).lower() if isinstance(d, bool) else str(d)
 
 

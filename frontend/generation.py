@@ -187,7 +187,7 @@ class GenerationService:
     def prepare(self, request: pb.GenerateRequest, add_special_tokens: bool = True,
                 options: InputOptions | None = None) -> PreparedRequest:
         """Validates every field; raises ``ValidationError``. ``options`` (HTTP) replaces
-        ``add_special_tokens`` and adds truncation and vLLM's max_tokens rule."""
+        ``add_special_tokens``, adds truncation and carries the body's sampling fields."""
         opt = options or InputOptions(add_special_tokens=add_special_tokens)
         limits = self.limits
         check_request_size(request)

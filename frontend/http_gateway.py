@@ -163,7 +163,8 @@ class Gateway:
         (frontend/grammar_check.py; the first one starts the child, 1-2 s), which must
         not stall the other streams on this loop."""
         if tool_mode is not None or any(body.get(k) is not None for k in _GRAMMAR_FIELDS):
-            return await self.svc.off_loop(0, self._sampling, body, max_tokens, x, tool_mode)  # type: ignore[no-any-return]
+            values = await self.svc.off_loop(0, self._sampling, body, max_tokens, x, tool_mode)
+            return values  # type: ignore[no-any-return]
         return self._sampling(body, max_tokens, x, tool_mode)
 
     def _sampling(self, body: dict[str, Any], max_tokens: Any, x: Extras, tool_mode: Any) -> dict[str, Any]:
