@@ -27,7 +27,7 @@ from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.engine_client import EngineClient, EngineUnavailable, Item
 from pagedserve.frontend.outputs import Chunk, Logprob, OutputState, merge_into
 from pagedserve.frontend.prompt_bound import max_chars_per_token
-from pagedserve.frontend.prompt_options import InputOptions, clamp_max_tokens, truncation
+from pagedserve.frontend.prompt_options import InputOptions, prepared_sampling, truncation
 from pagedserve.frontend.validation import (
     Limits,
     Prepared,
@@ -37,7 +37,6 @@ from pagedserve.frontend.validation import (
     check_prompt_text,
     check_request_id,
     check_request_size,
-    sampling_params,
 )
 from pagedserve.v1 import generation_pb2 as pb
 
@@ -188,7 +187,7 @@ class GenerationService:
     def prepare(self, request: pb.GenerateRequest, add_special_tokens: bool = True,
                 options: InputOptions | None = None) -> PreparedRequest:
         """Validates every field; raises ``ValidationError``. ``options`` (HTTP) replaces
-        ``add_special_tokens`` and adds truncation and vLLM's max_tokens rule."""
+        ``add_special_tokens``, adds truncation and carries the body's sampling fields."""
         opt = options or InputOptions(add_special_tokens=add_special_tokens)
         limits = self.limits
         check_request_size(request)
@@ -216,9 +215,7 @@ class GenerationService:
         if truncate is not None and len(ids) > truncate:
             ids = (ids[len(ids) - truncate:] if truncate else []) if opt.truncate_left else ids[:truncate]
         check_prompt_ids(ids, limits, which if which in ("prompt", "messages") else "prompt_token_ids")
-        if opt.clamp_max_tokens:
-            clamp_max_tokens(request.sampling_params, len(ids), limits, opt.default_max_tokens)
-        prep = sampling_params(request.sampling_params, len(ids), limits)
+        prep = prepared_sampling(request.sampling_params, opt, len(ids), limits)
         if not (opt.skip_special_tokens and opt.spaces_between_special_tokens):
             prep = replace(prep, skip_special_tokens=opt.skip_special_tokens,
                            spaces_between_special_tokens=opt.spaces_between_special_tokens)

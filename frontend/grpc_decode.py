@@ -5,6 +5,10 @@ request itself, and bytes that are not the protobuf fail as UNKNOWN with
 a Python class name in the message. Here every method takes raw bytes
 (no ``request_deserializer``) and parses them in the handler, so a request
 that does not parse ends with INVALID_ARGUMENT naming the expected message.
+
+``sampling_values`` decodes a request's ``SamplingParams`` into the table's
+given values (common/request_fields.py), which ``validation.validate`` checks
+exactly as it checks the HTTP gateway's.
 """
 from __future__ import annotations
 
@@ -14,9 +18,30 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from pagedserve.common.request_fields import SAMPLING
 from pagedserve.v1 import generation_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
+
+
+def sampling_values(sp: pb.SamplingParams) -> dict[str, Any]:
+    """The fields the client set: an optional one when present, a plain proto3
+    scalar or list when not its zero value (which is also the table's default)."""
+    out: dict[str, Any] = {}
+    for name in SAMPLING:
+        fd = sp.DESCRIPTOR.fields_by_name.get(name)
+        if fd is None:  # an HTTP-only field
+            continue
+        value = getattr(sp, name)
+        if fd.has_presence:  # optional scalars (repeated and map fields have none)
+            if sp.HasField(name):
+                out[name] = value
+        elif value:
+            out[name] = dict(value) if hasattr(value, "items") else \
+                value if isinstance(value, (bool, int, float, str)) else list(value)
+    if sp.HasField("structured_outputs"):
+        out["structured_outputs"] = sp.structured_outputs
+    return out
 
 
 async def parse(cls: type[Message], raw: bytes, context: grpc.aio.ServicerContext) -> Any:

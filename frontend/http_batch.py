@@ -118,10 +118,6 @@ class _Prompt:
 
 async def run_batch(gw: GatewayApi, request: web.Request, x: Extras, prompts: list[Prompt],
                     reqs: list[pb.GenerateRequest], options: InputOptions, echo_only: bool = False) -> web.StreamResponse:
-    if x.echo and x.logprobs is not None:  # vLLM: echo with logprobs asks for the prompt's too
-        for r in reqs:
-            if not r.sampling_params.HasField("prompt_logprobs"):
-                r.sampling_params.prompt_logprobs = r.sampling_params.logprobs
     prepared = [await gw.prepare(r, options.add_special_tokens, options) for r in reqs]  # all valid before any starts
     streams: list[RequestStream] = []
     try:

@@ -2,15 +2,18 @@
 naming it), and the readers of fields that carry token ids: every id must be
 inside the vocabulary before it goes into the request message, whose uint32
 fields would otherwise raise (2**40) or wrap. A field sent as null counts as
-absent. The generation routes' fields are vLLM's (``openai_extras``).
+absent. The generation routes' fields are vLLM's (``openai_extras``);
+``sampling_values`` reads their sampling fields by the one table
+(common/request_fields.py), for ``validation.validate``.
 """
 from __future__ import annotations
 
 import re
 from typing import Any
 
+from pagedserve.common.request_fields import INT64, MAX_SEED, SAMPLING, TABLE, check_type
 from pagedserve.frontend.errors import ApiError
-from pagedserve.frontend.validation import MAX_LOGIT_BIAS, Limits, ValidationError, check_token_ids
+from pagedserve.frontend.validation import Limits, ValidationError, check_token_ids
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                              "return_token_strs"})
@@ -53,8 +56,9 @@ def logit_bias(value: Any, limits: Limits) -> dict[int, float]:
     p = "logit_bias"
     if not isinstance(value, dict):
         raise ApiError(400, f"{p}: must be an object of token id -> bias", param=p)
-    if len(value) > MAX_LOGIT_BIAS:
-        raise ApiError(400, f"{p}: at most {MAX_LOGIT_BIAS} entries, got {len(value)}", param=p)
+    most = TABLE[p].hi
+    if isinstance(most, int) and len(value) > most:  # before reading them all
+        raise ApiError(400, f"{p}: at most {most} entries, got {len(value)}", param=p)
     entries: dict[int, float] = {}
     for k, v in value.items():
         if not _ID_KEY.fullmatch(k):
@@ -64,3 +68,45 @@ def logit_bias(value: Any, limits: Limits) -> dict[int, float]:
         entries[int(k)] = float(v)
     check_ids(list(entries), limits, p)
     return entries
+
+
+# Read by the routes themselves (max_tokens, the logprobs counts: openai_extras) or below by shape.
+_BY_ROUTE = frozenset({"max_tokens", "logprobs", "prompt_logprobs", "stop", "stop_token_ids", "logit_bias"})
+
+
+def _seed(v: Any) -> Any:
+    """vLLM's int64 seed: -1 is none; another negative maps onto the table's [0, 2^63 - 1]."""
+    if isinstance(v, int) and not isinstance(v, bool) and v < 0:
+        if v < INT64[0]:
+            raise ApiError(400, f"seed: must be in [{INT64[0]}, {INT64[1]}], got {v}", param="seed")
+        return None if v == -1 else v % (MAX_SEED + 1)
+    return v
+
+
+def sampling_values(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
+    """The body's sampling fields as table names (type-checked; a bound is validate's)."""
+    out: dict[str, Any] = {}
+    for name in SAMPLING:
+        f = TABLE[name]
+        key = f.http_name
+        if key is None or name in _BY_ROUTE or body.get(key) is None:
+            continue
+        value = _seed(body[key]) if name == "seed" else body[key]
+        why = None if value is None else check_type(f, value)
+        if why is not None:
+            raise ApiError(400, f"{key}: {why}", param=key)
+        if value is not None:
+            out[name] = value
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ApiError(400, "stop: must be a string or a list of strings", param="stop")
+        out["stop"] = stops
+    if body.get("stop_token_ids") is not None:
+        out["stop_token_ids"] = token_ids(body["stop_token_ids"], limits, "stop_token_ids")
+    if body.get("logit_bias") is not None:
+        out["logit_bias"] = logit_bias(body["logit_bias"], limits)
+    if body.get("use_beam_search") and not out.get("beam_width"):
+        out["beam_width"] = max(out.get("n", 1), 2)
+    return out

@@ -26,10 +26,9 @@ from dataclasses import replace
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
-from google.protobuf import text_format
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pagedserve.common.bounds import MAX_SEED
+from pagedserve.common import request_fields
 from pagedserve.frontend import http_batch, http_cors, http_extras, http_fields, http_json, http_lax
 from pagedserve.frontend import openai_extras, openai_structured, openai_tools, stop_tokens
 from pagedserve.frontend.auth import ApiKeys
@@ -46,21 +45,10 @@ from pagedserve.frontend.openai_options import OpenAIOptions
 from pagedserve.frontend.outputs import Chunk
 from pagedserve.frontend.prompt_options import InputOptions, with_sampler_extras
 from pagedserve.frontend.tool_parsers import PARSERS
-from pagedserve.frontend.validation import DEFAULT_COMPLETION_MAX_TOKENS, MAX_REQUEST_BYTES, Limits, ValidationError
+from pagedserve.frontend.validation import MAX_REQUEST_BYTES, Limits, ValidationError
 from pagedserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("pagedserve.frontend")
-
-# OpenAI body field -> SamplingParams field, for plain scalars.
-_SCALARS = {
-    "temperature": "temperature", "top_p": "top_p", "n": "n", "seed": "seed",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-    # vLLM-style extras
-    "top_k": "top_k", "min_p": "min_p", "min_tokens": "min_tokens", "repetition_penalty": "repetition_penalty",
-    "ignore_eos": "ignore_eos", "include_stop_str_in_output": "include_stop_str_in_output",
-    "beam_width": "beam_width", "length_penalty": "length_penalty", "early_stopping": "early_stopping",
-}
-
 
 # Body fields whose check parses a grammar (tools: the chat route says).
 _GRAMMAR_FIELDS = ("response_format", "structured_outputs", *openai_structured.GUIDED)
@@ -69,13 +57,6 @@ _GRAMMAR_FIELDS = ("response_format", "structured_outputs", *openai_structured.G
 def _openai_param(field: str) -> str:
     name = field.removeprefix("sampling_params.")
     return {"prompt_token_ids": "prompt", "request": "body"}.get(name, name)
-
-
-def _set(sp: pb.SamplingParams, name: str, value: Any, param: str) -> None:
-    try:
-        setattr(sp, name, value)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ApiError(400, f"{param}: invalid value {str(value)[:80]} ({e})", param=param) from None
 
 
 class Gateway:
@@ -175,60 +156,47 @@ class Gateway:
             {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "max_model_len": info.max_model_len}]})
 
     # ------------------------------------------------------------ translation
-    async def _sampling_off_loop(self, body: dict[str, Any], req: pb.GenerateRequest, max_tokens: int | None,
-                                 then: Callable[[], None] | None = None, grammar: bool = False) -> None:
-        """``_sampling`` (and ``then``) on the tokenizer thread when the body asks
-        for a grammar: its check waits for the grammar-check child's xgrammar parse
+    async def _sampling_off_loop(self, body: dict[str, Any], max_tokens: Any, x: Extras,
+                                 tool_mode: Any = None) -> dict[str, Any]:
+        """``_sampling`` on the tokenizer thread when the body asks for a grammar:
+        its check waits for the grammar-check child's xgrammar parse
         (frontend/grammar_check.py; the first one starts the child, 1-2 s), which must
         not stall the other streams on this loop."""
-        def build() -> None:
-            self._sampling(body, req, max_tokens)
-            if then is not None:
-                then()
+        if tool_mode is not None or any(body.get(k) is not None for k in _GRAMMAR_FIELDS):
+            values = await self.svc.off_loop(0, self._sampling, body, max_tokens, x, tool_mode)
+            return values  # type: ignore[no-any-return]
+        return self._sampling(body, max_tokens, x, tool_mode)
 
-        if grammar or any(body.get(k) is not None for k in _GRAMMAR_FIELDS):
-            await self.svc.off_loop(0, build)
-        else:
-            build()
-
-    def _sampling(self, body: dict[str, Any], req: pb.GenerateRequest, max_tokens: int | None) -> None:
-        sp = req.sampling_params
+    def _sampling(self, body: dict[str, Any], max_tokens: Any, x: Extras, tool_mode: Any) -> dict[str, Any]:
+        """The body's sampling fields as the table's given values (common/request_fields.py),
+        which ``prepare`` validates into the engine's SamplingParams as it does gRPC's."""
+        values = http_fields.sampling_values(body, self._limits())
         if max_tokens is not None:
-            _set(sp, "max_tokens", max_tokens, "max_tokens")
-        seed = body.get("seed")
-        if isinstance(seed, int) and not isinstance(seed, bool) and seed < 0:
-            # vLLM: -1 is no seed; it takes any int64, and a negative one maps onto our unsigned seeds.
-            body = {**body, "seed": None if seed == -1 else seed % (MAX_SEED + 1)}
-        for key, name in _SCALARS.items():
-            if body.get(key) is not None:
-                _set(sp, name, body[key], key)
-        limits = self._limits()
-        top_k = body.get("top_k")
-        if isinstance(top_k, int) and (top_k == -1 or top_k >= limits.vocab_size):
-            sp.top_k = 0  # vLLM's -1, and a k past the vocabulary: no top-k
-        if body.get("use_beam_search") and not sp.beam_width:
-            sp.beam_width = max(sp.n if sp.HasField("n") else 1, 2)
-        stop = body.get("stop")
-        if stop is not None:
-            stops = [stop] if isinstance(stop, str) else stop
-            if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-                raise ApiError(400, "stop: must be a string or a list of strings", param="stop")
-            sp.stop.extend(stops)
-        # Repeated and map fields cannot be assigned: extended once their ids are known good.
-        if body.get("stop_token_ids") is not None:
-            sp.stop_token_ids.extend(http_fields.token_ids(body["stop_token_ids"], limits, "stop_token_ids"))
-        if body.get("logit_bias") is not None:
-            sp.logit_bias.update(http_fields.logit_bias(body["logit_bias"], limits))
-        if isinstance(body.get("cache_salt"), str):
-            req.cache_salt = body["cache_salt"]
-        if not sp.beam_width:  # beam search returns n beams, not n samples
-            openai_extras.greedy_n_check(sp.n if sp.HasField("n") else 1,
-                                         sp.temperature if sp.HasField("temperature") else None)
+            why = request_fields.check_type(request_fields.TABLE["max_tokens"], max_tokens)
+            if why is not None:
+                raise ApiError(400, f"max_tokens: {why}", param="max_tokens")
+            values["max_tokens"] = max_tokens
+        if x.logprobs is not None:
+            values["logprobs"] = x.logprobs
+        if x.prompt_logprobs is not None:
+            values["prompt_logprobs"] = x.prompt_logprobs
+        elif x.echo and (x.chat or x.logprobs is not None):
+            # vLLM: echo asks for the prompt's logprobs too (chat: top_logprobs of them)
+            values["prompt_logprobs"] = x.logprobs or 0
+        if not values.get("beam_width"):  # beam search returns n beams, not n samples
+            openai_extras.greedy_n_check(values.get("n", 1), values.get("temperature"))
         http_json.check_schema_texts(body)
-        try:  # response_format, structured_outputs, guided_*: frontend/openai_structured.py
-            openai_structured.apply_structured(body, sp)
+        # Structured outputs travel as the proto's StructuredOutputs message on both protocols.
+        carrier = pb.SamplingParams()
+        try:  # response_format, structured_outputs, guided_*: frontend/openai_structured.py; tools: openai_tools
+            openai_structured.apply_structured(body, carrier)
+            if tool_mode is not None:
+                openai_tools.enforce(tool_mode, carrier)
         except ValidationError as e:
             raise ApiError(400, str(e), param=e.field) from None
+        if carrier.HasField("structured_outputs"):
+            values["structured_outputs"] = carrier.structured_outputs
+        return values
 
     def _extras(self, request: web.Request, body: dict[str, Any], chat: bool) -> Extras:
         x = openai_extras.parse(body, chat, self.opts, self._limits().vocab_size, request.headers.get("X-Request-Id"))
@@ -240,17 +208,17 @@ class Gateway:
         ok = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
         return min(max_tokens, cap) if cap is not None and ok else max_tokens
 
-    def _options(self, x: Extras, default_max_tokens: int | None = None) -> InputOptions:
+    def _options(self, x: Extras, sampling: dict[str, Any], default_max_tokens: int | None = None) -> InputOptions:
         return InputOptions(add_special_tokens=x.add_special_tokens, truncate=x.truncate,
-                            truncate_left=x.truncate_left, clamp_max_tokens=True,
+                            truncate_left=x.truncate_left, sampling=sampling, route="chat" if x.chat else "completions",
                             default_max_tokens=default_max_tokens, skip_special_tokens=x.skip_special_tokens,
                             spaces_between_special_tokens=x.spaces_between_special_tokens,
                             allowed_token_ids=x.allowed_token_ids, bad_words=x.bad_words)
 
-    def _log(self, rid: str, reqs: list[pb.GenerateRequest]) -> None:
+    def _log(self, rid: str, num_prompts: int, values: dict[str, Any]) -> None:
         if self.opts.log_requests:  # ids and sampling parameters only: never a header (the API key)
-            params = text_format.MessageToString(reqs[0].sampling_params, as_one_line=True)
-            log.info("Received request %s: %d prompt(s), params: {%s}", rid, len(reqs), params)
+            params = " ".join(f"{k}: {v}" for k, v in values.items() if k != "structured_outputs")
+            log.info("Received request %s: %d prompt(s), params: {%s}", rid, num_prompts, params)
 
     async def prepare(self, req: pb.GenerateRequest, add_special_tokens: bool = True,
                       options: InputOptions | None = None) -> Any:
@@ -287,21 +255,19 @@ class Gateway:
         prompts = http_batch.completion_prompts(body.get("prompt"), self._limits())
         # vLLM's CompletionRequest: max_tokens 16 when absent or null; 0 with echo answers the prompt alone.
         max_tokens = body.get("max_tokens")
-        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+        max_tokens = request_fields.default("max_tokens", "completions") if max_tokens is None else max_tokens
         max_tokens = self._capped(max_tokens)
         echo_only = x.echo and max_tokens == 0
+        values = await self._sampling_off_loop(body, 1 if echo_only else max_tokens, x)
         reqs = []
         for prompt in prompts:
             req = pb.GenerateRequest()
             http_batch.set_prompt(req, prompt)
-            await self._sampling_off_loop(body, req, 1 if echo_only else max_tokens)
-            if x.logprobs is not None:
-                req.sampling_params.logprobs = x.logprobs
-            if x.prompt_logprobs is not None:
-                req.sampling_params.prompt_logprobs = x.prompt_logprobs
+            if isinstance(body.get("cache_salt"), str):
+                req.cache_salt = body["cache_salt"]
             reqs.append(req)
-        self._log(f"cmpl-{x.request_id}", reqs)
-        return await http_batch.run_batch(self, request, x, prompts, reqs, self._options(x), echo_only)
+        self._log(f"cmpl-{x.request_id}", len(reqs), values)
+        return await http_batch.run_batch(self, request, x, prompts, reqs, self._options(x, values), echo_only)
 
     # ------------------------------------------------------------ /v1/chat/completions
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -328,27 +294,15 @@ class Gateway:
         role = self.opts.response_role if x.add_generation_prompt else conv[-1]["role"]
         echo_text = conv[-1]["content"] if x.echo and conv[-1]["role"] == role else ""
         req = pb.GenerateRequest(prompt=prompt)
-
-        def enforce_tools() -> None:
-            if tool_mode is not None:
-                try:
-                    openai_tools.enforce(tool_mode, req.sampling_params)
-                except ValidationError as e:
-                    raise ApiError(400, str(e), param=e.field) from None
-
+        if isinstance(body.get("cache_salt"), str):
+            req.cache_salt = body["cache_salt"]
         max_tokens = body.get("max_completion_tokens")
         max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
         max_tokens = None if max_tokens is None else self._capped(max_tokens)
-        await self._sampling_off_loop(body, req, max_tokens, enforce_tools, grammar=tool_mode is not None)
-        sp = req.sampling_params
-        if x.logprobs is not None:
-            sp.logprobs = x.logprobs
-        if x.prompt_logprobs is not None:
-            sp.prompt_logprobs = x.prompt_logprobs
-        elif x.echo:  # vLLM: echo asks for the prompt's logprobs, top_logprobs of them
-            sp.prompt_logprobs = x.logprobs or 0
-        self._log(f"chatcmpl-{x.request_id}", [req])
-        prepared = await self.prepare(req, options=self._options(x, self.opts.default_sampling.get("max_tokens")))
+        values = await self._sampling_off_loop(body, max_tokens, x, tool_mode)
+        self._log(f"chatcmpl-{x.request_id}", 1, values)
+        prepared = await self.prepare(req, options=self._options(x, values,
+                                                                 self.opts.default_sampling.get("max_tokens")))
         stream = await self.open_stream(request, prepared)
         ctx = Ctx(f"chatcmpl-{x.request_id}", "chat.completion", self.model_name(), prepared.prep.params.n, x,
                   role, echo_text, prompt)

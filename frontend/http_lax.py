@@ -3,7 +3,7 @@ a value that converts cleanly (``"max_tokens": "10"`` is 10, ``"echo": "true"``
 is true, ``"n": 2.0`` is 2), and vLLM answers 200. The same conversions here,
 before the body is read, for the int, float and bool fields of
 ``CompletionRequest`` / ``ChatCompletionRequest`` (their lists, read from
-vLLM 0.32's models). A value that does not convert is left as it came, so the
+vLLM 0.32's models: the sampling ones from common/request_fields.py's table). A value that does not convert is left as it came, so the
 field's own check refuses it (400) as vLLM does."""
 from __future__ import annotations
 
@@ -11,14 +11,21 @@ import math
 import re
 from typing import Any
 
-_INTS = frozenset({"max_tokens", "min_tokens", "n", "priority", "prompt_logprobs", "routed_experts_prompt_start",
-                   "seed", "thinking_token_budget", "top_k", "truncate_prompt_tokens"})
+from pagedserve.common.request_fields import TABLE
+
+
+def _table(kind: type) -> frozenset[str]:
+    """The table's vLLM fields of one type, by their HTTP name (logprobs: per route, below)."""
+    return frozenset(f.http_name for f in TABLE.values()
+                     if f.type is kind and f.vllm and f.http_name is not None and f.name != "logprobs")
+
+
+_INTS = _table(int) | {"priority", "routed_experts_prompt_start", "thinking_token_budget", "truncate_prompt_tokens"}
 INT_FIELDS = {False: _INTS | {"logprobs"}, True: _INTS | {"max_completion_tokens", "top_logprobs"}}
-FLOAT_FIELDS = frozenset({"frequency_penalty", "length_penalty", "min_p", "presence_penalty", "repetition_penalty",
-                          "temperature", "top_p"})
-_BOOLS = frozenset({"add_special_tokens", "echo", "ignore_eos", "include_stop_str_in_output", "return_mm_kwargs",
-                    "return_token_ids", "return_token_offsets", "return_tokens_as_token_ids", "skip_special_tokens",
-                    "spaces_between_special_tokens", "stream", "use_beam_search", "watermarking"})
+FLOAT_FIELDS = _table(float)
+_BOOLS = _table(bool) | {"add_special_tokens", "echo", "return_mm_kwargs", "return_token_ids",
+                         "return_token_offsets", "return_tokens_as_token_ids", "skip_special_tokens",
+                         "spaces_between_special_tokens", "stream", "use_beam_search", "watermarking"}
 BOOL_FIELDS = {False: _BOOLS, True: _BOOLS | {"add_generation_prompt", "continue_final_message", "include_reasoning",
                                               "logprobs", "parallel_tool_calls", "return_prompt_text"}}
 # pydantic's strings for booleans (case-insensitive, surrounding whitespace ignored)

@@ -8,16 +8,16 @@ without engine support (``logprob_token_ids``, ``prompt_embeds``,
 ``repetition_detection``) is a 400 naming it rather than an answer that
 silently differs. ``allowed_token_ids`` and ``bad_words`` reach the worker's
 sampler (HTTP only: they are not in the gRPC API). Sampling fields proper
-(``temperature``, ``top_k``, ...) are read by the gateway; their vLLM-only
-bounds are checked here.
+(``temperature``, ``top_k``, ...) are read by ``http_fields.sampling_values``
+and bounded by the one table (common/request_fields.py), as over gRPC.
 """
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.common.request_fields import TABLE, check_type, check_value
 from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.openai_options import OpenAIOptions
 
@@ -47,9 +47,6 @@ _NEEDS_ENGINE = {"logprob_token_ids": "logprobs of chosen token ids",
                  "prompt_embeds": "prompt embeddings", "repetition_detection": "repetition detection"}
 _REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _INT64 = (-(2**63), 2**63 - 1)
-MAX_VLLM_TEMPERATURE = 2.0  # vLLM's SamplingParams bound
-MAX_CACHE_SALT = 128  # vLLM's, with its forbidden characters
-_SALT_FORBIDDEN = frozenset("@/\\\x00")
 _RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})  # vLLM refuses these in chat_template_kwargs
 
 
@@ -173,19 +170,13 @@ def _logprob_count(body: dict[str, Any], key: str, opts: OpenAIOptions, vocab_si
 
 
 def check_sampling(body: dict[str, Any]) -> None:
-    """vLLM's own bounds on the sampling fields (beyond those validation shares with gRPC)."""
-    t = body.get("temperature")
-    if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > MAX_VLLM_TEMPERATURE:
-        raise _bad("temperature", f"must be in [0, {MAX_VLLM_TEMPERATURE}], got {t}")
-    top_k = body.get("top_k")
-    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k < -1:
-        raise _bad("top_k", f"must be -1 (disable), or at least 1, got {top_k}")
-    _int(body, "seed", *_INT64)
+    """vLLM's refusals beyond the sampling fields' bounds (those are the table's,
+    common/request_fields.py, checked by validation for both protocols)."""
     salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT
-                             or any(c in _SALT_FORBIDDEN for c in salt)):
-        raise _bad("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT} characters "
-                                 "without @ / \\ or NUL")
+    if salt is not None:  # the table's bound (validation checks it again on the request, as gRPC's)
+        why = check_type(TABLE["cache_salt"], salt) or check_value(TABLE["cache_salt"], salt, {})
+        if why is not None:
+            raise _bad("cache_salt", why)
     if body.get("use_beam_search") and body.get("stream") and not body.get("messages"):
         raise _bad("use_beam_search", "Streaming is not currently supported with beam search")
 

@@ -1,13 +1,16 @@
 """The HTTP routes' options for ``GenerationService.prepare`` (vLLM's prompt
-truncation and max_tokens rule), and applying them to a tokenized prompt."""
+truncation, the sampling fields read from the body), and applying them to a
+tokenized prompt; ``prepared_sampling`` validates either protocol's fields."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import msgspec
 
-from pagedserve.frontend.validation import Limits, ValidationError
+from pagedserve.frontend.grpc_decode import sampling_values
+from pagedserve.frontend.validation import Limits, Prepared, ValidationError, validate
 from pagedserve.v1 import generation_pb2 as pb
 
 MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default
@@ -20,10 +23,11 @@ class InputOptions:
     add_special_tokens: bool = True
     truncate: int | None = None  # keep this many prompt tokens (truncate_prompt_tokens; -1: max_model_len - 1)
     truncate_left: bool = True  # keep the last ones (vLLM's side for generation)
-    # vLLM lowers a max_tokens the prompt leaves no room for (at most max_model_len) to the room
-    # left, and an absent one is that room; the gRPC API refuses / uses 256 instead.
-    clamp_max_tokens: bool = False
-    default_max_tokens: int | None = None  # before the clamp (the generation config's max_tokens)
+    # The body's sampling fields (http_fields.sampling_values), in place of the proto's
+    # sampling_params; None: the request's own (gRPC).
+    sampling: Mapping[str, Any] | None = None
+    route: str = "grpc"  # whose max_tokens default applies (common/request_fields.py)
+    default_max_tokens: int | None = None  # the generation config's, over the route's
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's, checked (openai_extras)
@@ -40,16 +44,13 @@ def truncation(opt: InputOptions, limits: Limits) -> int | None:
     return limits.max_model_len - 1 if opt.truncate < 0 else opt.truncate
 
 
-def clamp_max_tokens(sp: pb.SamplingParams, prompt_len: int, limits: Limits, default: int | None) -> None:
-    """vLLM's get_max_tokens: the asked (or default) max_tokens, at most the room the prompt leaves."""
-    room = limits.max_model_len - prompt_len
-    if sp.HasField("max_tokens"):
-        if sp.max_tokens > limits.max_model_len:
-            raise ValidationError("sampling_params.max_tokens", f"max_tokens={sp.max_tokens} cannot be greater "
-                                                                f"than max_model_len={limits.max_model_len}")
-        sp.max_tokens = min(sp.max_tokens, room) if room > 0 else sp.max_tokens
-    else:
-        sp.max_tokens = max(1, min(room, default) if default is not None else room)
+def prepared_sampling(sp: pb.SamplingParams, opt: InputOptions, prompt_len: int, limits: Limits) -> Prepared:
+    """The one validation (validation.validate) of the HTTP body's fields or the gRPC request's."""
+    if opt.sampling is None:
+        return validate(sampling_values(sp), prompt_len, limits, route=opt.route,
+                        default_max_tokens=opt.default_max_tokens)
+    return validate(opt.sampling, prompt_len, limits, prefix="", route=opt.route,
+                    default_max_tokens=opt.default_max_tokens)
 
 
 def bad_words_token_ids(words: tuple[str, ...], encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:

@@ -1,39 +1,24 @@
 """Bounds for every field a client sends. A broken bound raises
 ``ValidationError`` naming the field and the bound; the gRPC server answers
-INVALID_ARGUMENT, the HTTP gateway a 400 in the OpenAI error shape."""
+INVALID_ARGUMENT, the HTTP gateway a 400 in the OpenAI error shape. The
+sampling fields' bounds and defaults are common/request_fields.py's table;
+``validate`` applies it to either protocol's decoded fields."""
 from __future__ import annotations
 
-import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from pagedserve.common.bounds import (MAX_ABS_LENGTH_PENALTY, MAX_ABS_PENALTY, MAX_LOGPROBS,  # noqa: F401 - re-exported
-                                       MAX_REPETITION_PENALTY, MAX_SEED, MAX_TEMPERATURE, MIN_POSITIVE)
+from pagedserve.common import request_fields
 from pagedserve.common.messages.types import SamplingParams
+from pagedserve.common.request_fields import ValidationError
 from pagedserve.v1 import generation_pb2 as pb
 
-# The request defaults, in one place: vLLM's 256 for gRPC and chat, OpenAI's
-# 16 for /v1/completions. (SamplingParams.max_tokens's own default only
-# serves in-process callers: the frontend always sets the field.)
-DEFAULT_MAX_TOKENS = 256
-DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # one GenerateRequest, serialized
 MAX_REQUEST_ID_LEN = 128
-MAX_CACHE_SALT_LEN = 256
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_LEN = 256
-MAX_LOGIT_BIAS = 300  # entries, as OpenAI
-MAX_ABS_LOGIT_BIAS = 100.0
 MAX_ABORT_IDS = 1024
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]+$")
-
-
-class ValidationError(ValueError):
-    """A bound was broken; ``field`` names it (dotted, as in the proto)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -107,14 +92,8 @@ def check_prompt_ids(ids: list[int], limits: Limits, field: str) -> None:
 
 
 def check_cache_salt(salt: str) -> None:
-    if len(salt) > MAX_CACHE_SALT_LEN:
-        raise ValidationError("cache_salt", f"longer than {MAX_CACHE_SALT_LEN} characters")
-
-
-def _finite_in(value: float, lo: float, hi: float, field: str, lo_open: bool = False) -> None:
-    ok = math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
-    if not ok:
-        raise ValidationError(field, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+    if salt:  # gRPC's empty string: no salt
+        request_fields.check_field("cache_salt", salt, {})
 
 
 @dataclass(frozen=True)
@@ -129,75 +108,59 @@ class Prepared:
     spaces_between_special_tokens: bool = True
 
 
-def sampling_params(sp: pb.SamplingParams, prompt_len: int, limits: Limits) -> Prepared:
-    f = "sampling_params."
+def limits_env(limits: Limits) -> dict[str, int]:
+    """The limits a table bound may name (common/request_fields.py)."""
+    return {"vocab_size": limits.vocab_size, "max_model_len": limits.max_model_len, "max_n": limits.max_n,
+            "max_beam_width": limits.max_beam_width, "max_stop_ids": limits.max_stop_ids}
+
+
+def _max_tokens(given: Mapping[str, Any], room: int, env: dict[str, int], prefix: str, route: str,
+                fallback: int | None) -> int:
+    """vLLM's get_max_tokens, on both protocols: the asked max_tokens (in its bound) or the
+    route's default (``fallback``: the generation config's), lowered to the room the prompt leaves."""
+    asked = given.get("max_tokens")
+    if asked is None:
+        d = fallback if fallback is not None else request_fields.default("max_tokens", route)
+        return room if d is None else max(1, min(d, room))
+    why = request_fields.check_value(request_fields.TABLE["max_tokens"], asked, env)
+    if why is not None:
+        raise ValidationError(prefix + "max_tokens", why)
+    return int(min(asked, room))
+
+
+def validate(given: Mapping[str, Any], prompt_len: int, limits: Limits, prefix: str = "sampling_params.",
+             route: str = "grpc", default_max_tokens: int | None = None) -> Prepared:
+    """The one validation of a request's sampling fields, for both protocols: ``given`` holds
+    the fields the client sent (table names; ``structured_outputs`` as the proto message),
+    decoded from gRPC (grpc_decode.sampling_values) or read from JSON (http_fields)."""
+    env = limits_env(limits)
     room = limits.max_model_len - prompt_len
-    if sp.HasField("max_tokens"):
-        if sp.max_tokens == 0:
-            raise ValidationError(f + "max_tokens", "must be at least 1")
-        if sp.max_tokens > room:
-            raise ValidationError(f + "max_tokens", f"{sp.max_tokens} plus the prompt's {prompt_len} tokens "
-                                                    f"exceeds max_model_len={limits.max_model_len}")
-        max_tokens = sp.max_tokens
-    else:
-        max_tokens = min(DEFAULT_MAX_TOKENS, room)
-    temperature = sp.temperature if sp.HasField("temperature") else 1.0
-    _finite_in(temperature, 0.0, MAX_TEMPERATURE, f + "temperature")
-    top_p = sp.top_p if sp.HasField("top_p") else 1.0
-    _finite_in(top_p, MIN_POSITIVE, 1.0, f + "top_p")
-    if sp.top_k < 0 or sp.top_k > limits.vocab_size:
-        raise ValidationError(f + "top_k", f"must be in [0, {limits.vocab_size}], got {sp.top_k}")
-    _finite_in(sp.min_p, 0.0, 1.0, f + "min_p")
-    seed = sp.seed if sp.HasField("seed") else None
-    if seed is not None and seed > MAX_SEED:
-        raise ValidationError(f + "seed", f"must be at most {MAX_SEED}")
-    n = sp.n if sp.HasField("n") else 1
-    if not 1 <= n <= limits.max_n:
-        raise ValidationError(f + "n", f"must be in [1, {limits.max_n}], got {n}")
-    beam_width = max(1, sp.beam_width)
-    if beam_width > limits.max_beam_width:
-        raise ValidationError(f + "beam_width", f"must be at most {limits.max_beam_width}, got {beam_width}")
-    if beam_width > 1 and n > beam_width:
-        raise ValidationError(f + "n", f"{n} exceeds beam_width={beam_width} (n beams are returned)")
-    length_penalty = sp.length_penalty if sp.HasField("length_penalty") else 1.0
-    _finite_in(length_penalty, -MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY, f + "length_penalty")
-    if len(sp.stop) > MAX_STOP_STRINGS:
-        raise ValidationError(f + "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(sp.stop)}")
-    for s in sp.stop:
-        if not s or len(s) > MAX_STOP_STRING_LEN:
-            raise ValidationError(f + "stop", f"each stop string must have 1 to {MAX_STOP_STRING_LEN} characters")
-    detokenize = sp.detokenize if sp.HasField("detokenize") else True
-    if not detokenize and sp.stop:
-        raise ValidationError(f + "detokenize", "stop strings are matched on the text: they need detokenize")
-    if sp.min_tokens > max_tokens:
-        raise ValidationError(f + "min_tokens", f"{sp.min_tokens} exceeds max_tokens={max_tokens}")
-    if len(sp.stop_token_ids) > limits.max_stop_ids:
-        raise ValidationError(f + "stop_token_ids", f"at most {limits.max_stop_ids} ids, got {len(sp.stop_token_ids)}")
-    check_token_ids(sp.stop_token_ids, limits, f + "stop_token_ids")
-    repetition_penalty = sp.repetition_penalty if sp.HasField("repetition_penalty") else 1.0
-    _finite_in(repetition_penalty, MIN_POSITIVE, MAX_REPETITION_PENALTY, f + "repetition_penalty")
-    _finite_in(sp.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, f + "presence_penalty")
-    _finite_in(sp.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY, f + "frequency_penalty")
-    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
-        raise ValidationError(f + "logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(sp.logit_bias)}")
-    check_token_ids(list(sp.logit_bias), limits, f + "logit_bias")
-    for v in sp.logit_bias.values():
-        _finite_in(v, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS, f + "logit_bias")
-    logprobs = sp.logprobs if sp.HasField("logprobs") else None
-    if logprobs is not None and logprobs > MAX_LOGPROBS:
-        raise ValidationError(f + "logprobs", f"must be at most {MAX_LOGPROBS}, got {logprobs}")
-    prompt_logprobs = sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None
-    if prompt_logprobs is not None and prompt_logprobs > MAX_LOGPROBS:
-        raise ValidationError(f + "prompt_logprobs", f"must be at most {MAX_LOGPROBS}, got {prompt_logprobs}")
+    v = request_fields.validate({**given, "max_tokens": _max_tokens(given, room, env, prefix, route,
+                                                                     default_max_tokens)}, env, prefix)
+    if v["top_k"] == -1 or v["top_k"] >= limits.vocab_size:
+        v["top_k"] = 0  # vLLM's -1, and a k past the vocabulary: no top-k
+    v["beam_width"] = max(1, v["beam_width"])
+    if v["beam_width"] > 1 and v["n"] > v["beam_width"]:
+        raise ValidationError(prefix + "n", f"{v['n']} exceeds beam_width={v['beam_width']} (n beams are returned)")
+    if not v["detokenize"] and v["stop"]:
+        raise ValidationError(prefix + "detokenize", "stop strings are matched on the text: they need detokenize")
+    check_token_ids(list(v["logit_bias"]), limits, prefix + "logit_bias")
     from pagedserve.frontend.structured import check_combination, spec_from_proto  # imports this module
 
-    structured = spec_from_proto(sp.structured_outputs) if sp.HasField("structured_outputs") else None
-    check_combination(structured, beam_width, sp.ignore_eos, sp.min_tokens)
-    params = SamplingParams(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seed,
-        n=n, min_tokens=sp.min_tokens, stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-        repetition_penalty=repetition_penalty, presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty, logit_bias=dict(sp.logit_bias), logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, beam_width=beam_width, length_penalty=length_penalty,
-        early_stopping=sp.early_stopping, structured=structured)
-    return Prepared(params, tuple(sp.stop), sp.include_stop_str_in_output, detokenize)
+    so = given.get("structured_outputs")
+    structured = None if so is None else spec_from_proto(so)
+    check_combination(structured, v["beam_width"], v["ignore_eos"], v["min_tokens"])
+    engine = {k: v[k] for k in request_fields.SAMPLING if k not in _FRONTEND_ONLY}
+    params = SamplingParams(**{**engine, "stop_token_ids": tuple(v["stop_token_ids"]),
+                               "logit_bias": dict(v["logit_bias"])}, structured=structured)
+    return Prepared(params, tuple(v["stop"]), v["include_stop_str_in_output"], v["detokenize"])
+
+
+_FRONTEND_ONLY = frozenset({"stop", "include_stop_str_in_output", "detokenize"})  # the frontend acts on these
+
+
+def sampling_params(sp: pb.SamplingParams, prompt_len: int, limits: Limits) -> Prepared:
+    """A gRPC request's sampling fields, validated."""
+    from pagedserve.frontend.grpc_decode import sampling_values
+
+    return validate(sampling_values(sp), prompt_len, limits)
