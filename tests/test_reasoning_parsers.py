@@ -56,7 +56,7 @@ HARMONY_TEXTS = [
     "<|channel|>final<|message|>Hi<|end|>stray text",
 ]
 JOBS = [("deepseek_r1", None), ("deepseek_r1", "hermes"), ("qwen3", None), ("qwen3", "hermes"),
-        ("openai_gptoss", None), ("openai_gptoss", "openai")]
+        ("openai_gptoss", None), ("openai_gptoss", "openai"), (None, "openai")]
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +88,8 @@ def chunkings(text: str, markers: list[str]) -> list[list[str]]:
     return out
 
 
-def ours(name: str, tools: str | None, tok: Any, text: str, streams: list[list[str]]) -> dict[str, Any]:
-    harmony = name == "openai_gptoss"
+def ours(name: str | None, tools: str | None, tok: Any, text: str, streams: list[list[str]]) -> dict[str, Any]:
+    harmony = name == "openai_gptoss" or tools == "openai"
     vocab = {} if harmony else tok.get_vocab()
     specials = () if harmony else tuple(tok.all_special_tokens)
     prompt = [] if harmony else tok.encode(PROMPT, add_special_tokens=False)
@@ -101,8 +101,8 @@ def ours(name: str, tools: str | None, tok: Any, text: str, streams: list[list[s
         return formatter(name, tools, None, vocab, specials, True, prompt, lambda *a: None)
 
     msg = build()(Chunk(0, ids(text), text, finish_reason="stop"), None)["message"]
-    assert msg.get("reasoning_content") == msg["reasoning"]
-    whole = [msg["reasoning"], msg["content"],
+    assert msg.get("reasoning_content") == msg.get("reasoning")
+    whole = [msg.get("reasoning"), msg["content"],
              [[c["function"]["name"], c["function"]["arguments"]] for c in msg.get("tool_calls", [])]]
     out = []
     for chunks in streams:
@@ -155,7 +155,7 @@ def test_start_up_check(tokenizer: Any) -> None:
 def test_identical_to_vllm_parsers(tokenizer: Any) -> None:
     jobs = []
     for name, tools in JOBS:
-        harmony = name == "openai_gptoss"
+        harmony = name == "openai_gptoss" or tools == "openai"
         texts = HARMONY_TEXTS if harmony else THINK_TEXTS
         markers = list(HARMONY_SPECIALS) if harmony else MARKERS + list(tokenizer.all_special_tokens)
         jobs.append({"reasoning": name, "tools": tools, "tokenizer": None if harmony else tokenizer.folder,

@@ -54,6 +54,15 @@ CORPUS: dict[str, list[str]] = {
         "[get_weather(city=some_variable)]",  # not a literal
         "I will call [get_weather(city='Paris')]",
     ],
+    "llama4_pythonic": [
+        "The weather is nice.",
+        "[get_weather(city='Paris')]",
+        "<|python_start|>[get_weather(city='Paris'), book(who={'first': 'Zoë'}, n=-3)]<|python_end|>",
+        "<|python_start|>[f()]",
+        "<|python_start|>not a call<|python_end|>",
+        "[get_weather(city='Par",  # malformed (cut)
+        "I will call [get_weather(city='Paris')]",
+    ],
     "mistral": [
         "The weather is nice.",
         f"[TOOL_CALLS][{W}]",
@@ -64,18 +73,18 @@ CORPUS: dict[str, list[str]] = {
     ],
 }
 VOCAB = {"hermes": ["<tool_call>", "</tool_call>"], "llama3_json": ["<|python_tag|>"],
-         "pythonic": ["a"], "mistral": ["[TOOL_CALLS]"]}
+         "pythonic": ["a"], "llama4_pythonic": ["<|python_start|>", "<|python_end|>"], "mistral": ["[TOOL_CALLS]"]}
 # Markers that are one token for the models that use them: a chunk never splits them.
-ATOMIC = {"llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
-STREAMED = ("hermes", "llama3_json", "pythonic")  # mistral streaming: not built yet
+ATOMIC = {"llama3_json": ("<|python_tag|>",), "mistral": ("[TOOL_CALLS]",),
+          "llama4_pythonic": ("<|python_start|>", "<|python_end|>")}
+STREAMED = ("hermes", "llama3_json", "pythonic", "llama4_pythonic")  # mistral streaming: not built yet
 
 
 def chunkings(text: str, parser: str, seed: int) -> list[list[str]]:
     """Character by character, whole, and three random chunkings (markers kept whole)."""
     rng = random.Random(seed)
-    atom = ATOMIC.get(parser)
     cuts_ok = [i for i in range(1, len(text))
-               if not (atom and any(s < i < s + len(atom) for s in _find_all(text, atom)))]
+               if not any(s < i < s + len(atom) for atom in ATOMIC.get(parser, ()) for s in _find_all(text, atom))]
     out = [[text], [text[a:b] for a, b in zip([0, *cuts_ok], [*cuts_ok, len(text)])]]
     for _ in range(3):
         cuts = sorted(rng.sample(cuts_ok, min(len(cuts_ok), rng.randint(1, 8))))
@@ -159,8 +168,9 @@ def test_start_up_check() -> None:
     check("hermes", {}, "m")
     with pytest.raises(ValueError, match="cannot be used with the tokenizer of 'm'.*<\\|python_tag\\|>"):
         check("llama3_json", {"a": 1}, "m")
-    with pytest.raises(ValueError, match="gpt-oss"):
-        check("openai", {}, "m")
+    check("openai", {"<|channel|>": 1}, "m")  # gpt-oss (harmony): tests/test_reasoning_parsers.py
+    with pytest.raises(ValueError, match="no '<\\|channel\\|>' token"):
+        check("openai", {"a": 1}, "m")
     with pytest.raises(ValueError, match="not one of"):
         check("nope", {}, "m")
 

@@ -2,7 +2,7 @@
 (with a tool parser after them) over a corpus read as JSON on stdin; prints
 what they answer as JSON (tests/test_reasoning_parsers.py).
 
-stdin: [{"reasoning": NAME, "tools": NAME or null, "tokenizer": folder or null (harmony: its own encoding),
+stdin: [{"reasoning": NAME or null, "tools": NAME or null, "tokenizer": folder or null (harmony: its own encoding),
          "prompt": [ids], "cases": [{"text": ..., "streams": [[chunk text, ...], ...]}]}, ...]
 stdout: one list per job: [{"whole": [reasoning, content, [[name, arguments], ...]],
                             "streams": [[reasoning, content, [[name, arguments], ...]], ...]}, ...]
@@ -41,7 +41,7 @@ def run(job: dict) -> list:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.parser.parser_manager import ParserManager
 
-    harmony = job["reasoning"] == "openai_gptoss"
+    harmony = job["reasoning"] == "openai_gptoss" or job["tools"] == "openai"
     if harmony:
         from vllm.entrypoints.openai.parser.harmony_utils import get_encoding
         tok: Any = HarmonyTok(get_encoding())

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from typing import Any
 
 from pagedserve.frontend.reasoning.base import Delta
-from pagedserve.frontend.tool_parsers.base import Call, call, tool_call_id
+
+Call = dict[str, Any]
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -30,6 +32,11 @@ _LEX = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
 
 DONE = ("", "done", None)
 Segment = tuple[str, str | None, str | None] | None
+
+
+def tool_call_id() -> str:
+    # vLLM's make_tool_call_id (as tool_parsers.base's, which imports this module's package)
+    return f"chatcmpl-tool-{uuid.uuid4().int & (2**64 - 1):016x}"
 
 
 class HeaderError(ValueError):
@@ -176,7 +183,8 @@ class HarmonyParser:
                         args = json.dumps(json.loads(args))
                     except json.JSONDecodeError:
                         pass
-                calls.append(call(m["recipient"].removeprefix("functions."), args))
+                calls.append({"id": tool_call_id(), "type": "function",
+                              "function": {"name": m["recipient"].removeprefix("functions."), "arguments": args}})
         self._reset()
         return "\n".join(reasoning) or None, "\n".join(content) or None, calls
 
