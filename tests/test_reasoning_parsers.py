@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from e2e_util import serve
+from models import make_tiny_model
 from pagedserve.frontend.outputs import Chunk
 from pagedserve.frontend.reasoning import check
 from pagedserve.frontend.reasoning.chat import formatter
@@ -61,7 +64,7 @@ JOBS = [("deepseek_r1", None), ("deepseek_r1", "hermes"), ("qwen3", None), ("qwe
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from models import train_tokenizer
+    from models import train_tokenizer  # noqa: E402 (the tiny models' tokenizer)
 
     tok = train_tokenizer(500)
     tok.add_tokens(MARKERS)  # Qwen3's: added, not special (they stay in decoded text)
@@ -175,3 +178,38 @@ def test_identical_to_vllm_parsers(tokenizer: Any) -> None:
                     diffs.append((job["reasoning"], job["tools"], len(chunks), case["text"], g, r))
                     break
     assert not diffs, "\n".join(map(repr, diffs[:12]))
+
+
+# ------------------------------------------------------------ end to end
+def _post(base: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(f"{base}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        if not body.get("stream"):
+            return json.loads(r.read())
+        return [json.loads(line[6:]) for line in r.read().decode().splitlines()
+                if line.startswith("data: {")]
+
+
+def test_served_qwen3_answers_carry_the_reasoning(tmp_path: Path) -> None:
+    """`serve --reasoning-parser qwen3` on a tiny random Qwen3: its text is noise, but the
+    chat template opens no reasoning and the model never writes </think>, so with thinking
+    on (the default) the whole output is reasoning, and with enable_thinking false the same
+    greedy text is content. Shows the flag reaching the frontend and both answer forms."""
+    model = make_tiny_model(tmp_path, "qwen3", seed=0)
+    body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0, "max_tokens": 24}
+    with serve("--model", model, "--num-gpu-blocks", "64", "--reasoning-parser", "qwen3") as server:
+        plain = _post(server.http, {**body, "chat_template_kwargs": {"enable_thinking": False}})["choices"][0]
+        text = plain["message"]["content"]
+        assert text and plain["message"]["reasoning"] is None
+        dropped = text  # qwen3 drops the tokenizer's special tokens from what it parses
+        for s in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
+            dropped = dropped.replace(s, "")
+        msg = _post(server.http, body)["choices"][0]["message"]
+        assert (msg["reasoning"], msg["reasoning_content"], msg["content"]) == (dropped, dropped, None)
+        chunks = _post(server.http, {**body, "stream": True})
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == dropped
+        assert all(d.get("reasoning_content") == d.get("reasoning") for d in deltas)
+        assert "".join(d.get("content") or "" for d in deltas) == ""
