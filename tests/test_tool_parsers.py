@@ -214,3 +214,64 @@ def _ids(d: dict[str, Any] | None) -> dict[str, Any] | None:
         if tc.get("id") is not None:
             tc["id"] = "ID"
     return d
+
+
+# ------------------------------------------------------------ Qwen3's XML calls (qwen3_coder, qwen3_xml)
+def _xml(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+XML_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "metric": {"type": "boolean"}, "extra": {"type": "object"}}}}}]
+XML_TEXTS = [
+    "The weather is nice.",
+    _xml("get_weather", city="Paris"),
+    "Let me check.\n\n" + _xml("get_weather", city="Paris", days="3", metric="true"),
+    _xml("get_weather", city="東京 🙂", extra='{"a": [1, 2]}') + "\n" + _xml("get_time", zone="UTC"),
+    _xml("get_weather", city="Paris") + "\nDone.",  # text after the call
+    "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>",  # no <tool_call>
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",  # cut
+    "A line with a < sign and </think> in it",
+    _xml("get_weather", city="multi\nline\nvalue", days="x"),  # "x" is not an integer: a string
+]
+
+
+@pytest.mark.skipif(not PEER_STAMP.exists(), reason="no peer venv (scripts/setup-peers.sh installs vLLM 0.32)")
+@pytest.mark.parametrize("parser", ["qwen3_coder", "qwen3_xml"])
+def test_qwen3_xml_identical_to_vllm(parser: str) -> None:
+    """Whole outputs, and streams in chunks of 1 to 8 characters (<tool_call> and </tool_call>, one token
+    each, never split), joined: the same content and calls as vLLM's; arguments typed by the tools' schema."""
+    markers = ("<tool_call>", "</tool_call>")
+
+    def sized(text: str) -> list[list[str]]:
+        out = []
+        for k in range(1, 9):
+            chunks, pos = [], 0
+            while pos < len(text):
+                end = min(pos + k, len(text))
+                end = next((s + len(m) for m in markers for s in _find_all(text, m) if s < end < s + len(m)), end)
+                chunks.append(text[pos:end])
+                pos = end
+            out.append(chunks)
+        return out
+
+    jobs = [{"parser": parser, "vocab": list(markers), "tools": XML_TOOLS, "joined": True,
+             "cases": [{"text": t, "chunks": sized(t)} for t in XML_TEXTS]}]
+    run = subprocess.run([str(PEER_PY), str(Path(__file__).with_name("vllm_tool_parsers_peer.py"))], cwd="/tmp",
+                         input=json.dumps(jobs), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    refs = json.loads(run.stdout)[0]
+    assert sum(bool(ref["whole"][1]) for ref in refs) == 7  # vLLM found calls where the corpus has them
+    for case, ref in zip(jobs[0]["cases"], refs):
+        p = PARSERS[parser]()
+        p.tools = XML_TOOLS
+        content, calls = p.parse(case["text"])
+        assert [content, [[c["function"]["name"], c["function"]["arguments"]] for c in calls]] == ref["whole"], \
+            case["text"]
+        for chunks, ref_joined in zip(case["chunks"], ref["streams"]):
+            s: ToolParser = PARSERS[parser]()
+            s.tools = XML_TOOLS
+            content, calls = reassemble([s.feed(ch, i == len(chunks) - 1) for i, ch in enumerate(chunks)])
+            assert [content, [list(c) for c in calls]] == ref_joined, (case["text"], chunks)

@@ -50,7 +50,8 @@ def _with_both(d: dict[str, Any]) -> dict[str, Any]:
 
 def formatter(reasoning_parser: str | None, tool_parser: str | None, parallel: bool | None,
               vocab: Mapping[str, int], specials: Sequence[str], thinking: bool,
-              prompt_ids: Sequence[int] | None, logprobs: Callable[..., Any], send_ids: bool = False) -> Build:
+              prompt_ids: Sequence[int] | None, logprobs: Callable[..., Any], send_ids: bool = False,
+              tools: Any = None) -> Build:
     """``tool_parser``: the parser that reads ``tool_choice: "auto"`` answers; None: no tools."""
     harmony = reasoning_parser == HarmonyParser.name or (reasoning_parser is None and tool_parser == HARMONY_TOOLS)
 
@@ -58,8 +59,12 @@ def formatter(reasoning_parser: str | None, tool_parser: str | None, parallel: b
         if harmony:
             return HarmonyParser(reasoning=reasoning_parser is not None, tools=tool_parser == HARMONY_TOOLS)
         assert reasoning_parser is not None
-        tools = PARSERS[tool_parser]() if tool_parser is not None else None
-        return Composer(reasoning.make_think(reasoning_parser, vocab, specials, thinking), tools, prompt_ids)
+        parser = None
+        if tool_parser is not None:
+            parser = PARSERS[tool_parser]()
+            parser.tools = tools
+            parser.reasoning_markup_is_text = False  # vLLM's skip_reasoning_parsing is off after a reasoning parser
+        return Composer(reasoning.make_think(reasoning_parser, vocab, specials, thinking), parser, prompt_ids)
 
     def whole(c: Chunk) -> Choice:
         text_reasoning, content, calls = make().parse(c.text)
@@ -139,4 +144,5 @@ def choice(opts: Any, tok: Any, tool_mode: Any, x: Any, prompt_ids: Sequence[int
     vocab, specials = _vocab(tok)
     thinking = (x.template_kwargs or {}).get("enable_thinking", True) is not False
     return formatter(opts.reasoning_parser, tool_parser, None if tool_mode is None else tool_mode.parallel,
-                     vocab, specials, thinking, prompt_ids, logprobs, x.return_token_ids)
+                     vocab, specials, thinking, prompt_ids, logprobs, x.return_token_ids,
+                     None if tool_mode is None else tool_mode.tools)

@@ -12,10 +12,11 @@ from pagedserve.frontend.tool_parsers.llama4_pythonic import Llama4PythonicParse
 from pagedserve.frontend.tool_parsers.mistral import MistralParser
 from pagedserve.frontend.tool_parsers.openai import OpenAIParser
 from pagedserve.frontend.tool_parsers.pythonic import PythonicParser
+from pagedserve.frontend.tool_parsers.qwen3_xml import Qwen3CoderParser, Qwen3XmlParser
 
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, OpenAIParser,
-                        Llama4PythonicParser)}
+                        Llama4PythonicParser, Qwen3CoderParser, Qwen3XmlParser)}
 
 
 def check(name: str, vocab: Mapping[str, int], model: str) -> None:
