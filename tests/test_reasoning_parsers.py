@@ -32,6 +32,7 @@ MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 PROMPT = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+XML_CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
 THINK_TEXTS = [
     "<think>\nLet me think about Paris.\n</think>\n\nParis is the capital of France.",
     "Let me think.\n</think>\n\nThe answer is 42.",  # the start marker was in the prompt
@@ -44,6 +45,8 @@ THINK_TEXTS = [
     "<think>\nhmm, a < sign\n</think>\n\nSure. " + CALL,
     "<think>\nthinking, then straight to the call" + CALL,  # qwen3: a call ends the reasoning
     "<think>\nok</think>\n\n",  # reasoning, then whitespace only
+    "<think>\nXML call next\n</think>\n\n" + XML_CALL,  # Qwen3-Coder / Qwen3.5's call form
+    "<think>\nthinking straight into an XML call" + XML_CALL + "\nafter",
 ]
 H_CALL = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
 HARMONY_TEXTS = [
@@ -59,6 +62,7 @@ HARMONY_TEXTS = [
     "<|channel|>final<|message|>Hi<|end|>stray text",
 ]
 JOBS = [("deepseek_r1", None), ("deepseek_r1", "hermes"), ("qwen3", None), ("qwen3", "hermes"),
+        ("qwen3", "qwen3_coder"), ("deepseek_r1", "qwen3_xml"),
         ("openai_gptoss", None), ("openai_gptoss", "openai"), (None, "openai")]
 
 

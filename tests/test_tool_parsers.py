@@ -246,7 +246,7 @@ def test_qwen3_xml_identical_to_vllm(parser: str) -> None:
     markers = ("<tool_call>", "</tool_call>")
 
     def sized(text: str) -> list[list[str]]:
-        out = []
+        out = [[text]]
         for k in range(1, 9):
             chunks, pos = [], 0
             while pos < len(text):

@@ -30,7 +30,9 @@ class Composer:
         if self.tools is None:
             return reasoning, content, []
         parsed, calls = self.tools.parse(content if content is not None else "")
-        return reasoning, (parsed if calls else content), calls
+        if not calls and not (self.tools.engine_based and self.reasoning.engine_based):
+            parsed = content  # vLLM: unless both parsers are engine-based, the text as it came
+        return reasoning, parsed, calls
 
     def feed(self, text: str, ids: Sequence[int], finished: bool) -> Delta | None:
         msg: Delta | None = None

@@ -66,6 +66,8 @@ class ToolParser:
     tools: list[dict[str, Any]] | None = None
     # vLLM's skip_reasoning_parsing: think markers are plain content unless a reasoning parser ran first.
     reasoning_markup_is_text: bool = True
+    # vLLM's engine-based parsers: a whole output without calls answers the parser's content, not the text.
+    engine_based: ClassVar[bool] = False
 
     def __init__(self) -> None:
         # vLLM's shared streaming state: what each call parsed and what was sent of its arguments

@@ -40,6 +40,7 @@ class Slot:
 
 class Qwen3XmlParser(ToolParser):
     name = "qwen3_xml"
+    engine_based = True
     keeps_special_tokens = True  # vLLM's engine parsers turn skip_special_tokens off
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
@@ -222,10 +223,18 @@ class Qwen3XmlParser(ToolParser):
             return text, []
 
     def feed(self, delta: str, finished: bool) -> Delta | None:
-        events = self._events(self._lex(delta, False))
-        if finished:
-            events += self._finish_events()
-        return self._to_delta(events, finished)
+        out = self._to_delta(self._events(self._lex(delta, False)), False)
+        if finished:  # vLLM flushes the engine after the last delta, as a delta of its own (merged)
+            events = self._finish_events()
+            if events or self._deferred:
+                rest = self._to_delta(events, True) or {}
+                out = dict(out or {})
+                if rest.get("content"):
+                    out["content"] = out.get("content", "") + rest["content"]
+                if rest.get("tool_calls"):
+                    out["tool_calls"] = out.get("tool_calls", []) + rest["tool_calls"]
+                out = out or None
+        return out
 
 
 class Qwen3CoderParser(Qwen3XmlParser):
