@@ -217,3 +217,5 @@ def test_served_qwen3_answers_carry_the_reasoning(tmp_path: Path) -> None:
         assert "".join(d.get("reasoning") or "" for d in deltas) == dropped
         assert all(d.get("reasoning_content") == d.get("reasoning") for d in deltas)
         assert "".join(d.get("content") or "" for d in deltas) == ""
+        hidden = _post(server.http, {**body, "include_reasoning": False, "logprobs": True})["choices"][0]
+        assert (hidden["message"]["reasoning"], hidden["message"]["content"], hidden["logprobs"]) == (None, None, None)

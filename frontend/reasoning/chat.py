@@ -51,8 +51,12 @@ def _with_both(d: dict[str, Any]) -> dict[str, Any]:
 def formatter(reasoning_parser: str | None, tool_parser: str | None, parallel: bool | None,
               vocab: Mapping[str, int], specials: Sequence[str], thinking: bool,
               prompt_ids: Sequence[int] | None, logprobs: Callable[..., Any], send_ids: bool = False,
-              tools: Any = None) -> Build:
-    """``tool_parser``: the parser that reads ``tool_choice: "auto"`` answers; None: no tools."""
+              tools: Any = None, include: bool = True) -> Build:
+    """``tool_parser``: the parser that reads ``tool_choice: "auto"`` answers; None: no tools.
+    ``include``: the request's ``include_reasoning``; false drops the reasoning and, as vLLM,
+    the logprobs and token ids that would spell it."""
+    if not include:
+        logprobs, send_ids = (lambda *a: None), False
     harmony = reasoning_parser == HarmonyParser.name or (reasoning_parser is None and tool_parser == HARMONY_TOOLS)
 
     def make() -> Any:
@@ -72,7 +76,7 @@ def formatter(reasoning_parser: str | None, tool_parser: str | None, parallel: b
             calls = []
         if parallel is False:
             calls = calls[:1]
-        msg = _with_both({"role": "assistant", "content": content, "reasoning": text_reasoning})
+        msg = _with_both({"role": "assistant", "content": content, "reasoning": text_reasoning if include else None})
         if calls:
             msg["tool_calls"] = calls
         finish = "tool_calls" if calls else c.finish_reason
@@ -87,6 +91,8 @@ def formatter(reasoning_parser: str | None, tool_parser: str | None, parallel: b
         finished = c.finish_reason is not None
         p = acc["parser"]
         msg = p.feed(c.text, finished) if harmony else p.feed(c.text, c.token_ids, finished)
+        if msg is not None and not include:
+            msg.pop("reasoning", None)
         if msg is not None and msg.get("tool_calls"):
             if tool_parser is None:
                 del msg["tool_calls"]
@@ -126,7 +132,7 @@ def extras(opts: Any, x: Any) -> Any:
     return x
 
 
-def choice(opts: Any, tok: Any, tool_mode: Any, x: Any, prompt_ids: Sequence[int], sp: Any,
+def choice(opts: Any, tok: Any, tool_mode: Any, x: Any, prompt_ids: Sequence[int], body: dict[str, Any], sp: Any,
            logprobs: Callable[..., Any], fallback: Build) -> Build:
     """The gateway's chat choice builder: ``fallback`` unless a reasoning (or harmony) parser reads the answer."""
     if not applies(opts.reasoning_parser, opts.tool_call_parser):
@@ -145,4 +151,4 @@ def choice(opts: Any, tok: Any, tool_mode: Any, x: Any, prompt_ids: Sequence[int
     thinking = (x.template_kwargs or {}).get("enable_thinking", True) is not False
     return formatter(opts.reasoning_parser, tool_parser, None if tool_mode is None else tool_mode.parallel,
                      vocab, specials, thinking, prompt_ids, logprobs, x.return_token_ids,
-                     None if tool_mode is None else tool_mode.tools)
+                     None if tool_mode is None else tool_mode.tools, body.get("include_reasoning") is not False)
