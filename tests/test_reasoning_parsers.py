@@ -64,6 +64,11 @@ HARMONY_TEXTS = [
 JOBS = [("deepseek_r1", None), ("deepseek_r1", "hermes"), ("qwen3", None), ("qwen3", "hermes"),
         ("qwen3", "qwen3_coder"), ("deepseek_r1", "qwen3_xml"),
         ("openai_gptoss", None), ("openai_gptoss", "openai"), (None, "openai")]
+# Prompts whose end says where the output starts (streams read it): R1's template opens the reasoning,
+# Qwen3's with enable_thinking false closes it (the whole output, read without the prompt, is the same).
+PROMPTS = {"": PROMPT, "open": PROMPT + "<think>\n", "closed": PROMPT + "<think>\n\n</think>\n\n"}
+PROMPT_JOBS = [("deepseek_r1", None, "open"), ("qwen3", None, "open"), ("qwen3", "hermes", "closed"),
+               ("deepseek_r1", None, "closed")]
 
 
 @pytest.fixture(scope="module")
@@ -95,11 +100,12 @@ def chunkings(text: str, markers: list[str]) -> list[list[str]]:
     return out
 
 
-def ours(name: str | None, tools: str | None, tok: Any, text: str, streams: list[list[str]]) -> dict[str, Any]:
+def ours(name: str | None, tools: str | None, tok: Any, text: str, streams: list[list[str]],
+         prompt_text: str = PROMPT) -> dict[str, Any]:
     harmony = name == "openai_gptoss" or tools == "openai"
     vocab = {} if harmony else tok.get_vocab()
     specials = () if harmony else tuple(tok.all_special_tokens)
-    prompt = [] if harmony else tok.encode(PROMPT, add_special_tokens=False)
+    prompt = [] if harmony else tok.encode(prompt_text, add_special_tokens=False)
 
     def ids(t: str) -> list[int]:
         return [] if harmony else tok.encode(t, add_special_tokens=False)
@@ -161,12 +167,13 @@ def test_start_up_check(tokenizer: Any) -> None:
 @pytest.mark.skipif(not PEER_STAMP.exists(), reason="no peer venv (scripts/setup-peers.sh installs vLLM 0.32)")
 def test_identical_to_vllm_parsers(tokenizer: Any) -> None:
     jobs = []
-    for name, tools in JOBS:
+    for name, tools, prompt in [(n, t, "") for n, t in JOBS] + PROMPT_JOBS:
         harmony = name == "openai_gptoss" or tools == "openai"
         texts = HARMONY_TEXTS if harmony else THINK_TEXTS
         markers = list(HARMONY_SPECIALS) if harmony else MARKERS + list(tokenizer.all_special_tokens)
         jobs.append({"reasoning": name, "tools": tools, "tokenizer": None if harmony else tokenizer.folder,
-                     "prompt": [] if harmony else tokenizer.encode(PROMPT, add_special_tokens=False),
+                     "prompt": [] if harmony else tokenizer.encode(PROMPTS[prompt], add_special_tokens=False),
+                     "prompt_text": PROMPTS[prompt],
                      "cases": [{"text": t, "streams": chunkings(t, markers)} for t in texts]})
     run = subprocess.run([str(PEER_PY), str(Path(__file__).with_name("vllm_reasoning_peer.py"))], cwd="/tmp",
                          input=json.dumps(jobs), capture_output=True, text=True, timeout=600)
@@ -174,7 +181,7 @@ def test_identical_to_vllm_parsers(tokenizer: Any) -> None:
     diffs = []
     for job, answers in zip(jobs, json.loads(run.stdout)):
         for case, ref in zip(job["cases"], answers):
-            got = ours(job["reasoning"], job["tools"], tokenizer, case["text"], case["streams"])
+            got = ours(job["reasoning"], job["tools"], tokenizer, case["text"], case["streams"], job["prompt_text"])
             if got["whole"] != ref["whole"]:
                 diffs.append((job["reasoning"], job["tools"], "whole", case["text"], got["whole"], ref["whole"]))
             for chunks, g, r in zip(case["streams"], got["streams"], ref["streams"]):
