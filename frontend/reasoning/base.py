@@ -10,7 +10,7 @@ chunk never splits it) and by text in a whole output, as vLLM finds them.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any, ClassVar
 
 Delta = dict[str, Any]
@@ -70,8 +70,9 @@ class ReasoningParser:
         """vLLM's is_reasoning_end on the prompt: the output starts after the reasoning."""
         raise NotImplementedError
 
-    def step(self, text: str, ids: Sequence[int], previous_ids: Sequence[int]) -> tuple[Delta | None, bool]:
-        """(the delta, whether the reasoning ended in it); called until it ends."""
+    def step(self, text: str, ids: Sequence[int], previous_ids: Set[int]) -> tuple[Delta | None, bool]:
+        """(the delta, whether the reasoning ended in it); called until it ends. ``previous_ids``:
+        the ids of the earlier deltas."""
         raise NotImplementedError
 
     def finish(self) -> Delta | None:

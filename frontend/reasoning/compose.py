@@ -23,7 +23,7 @@ class Composer:
                  prompt_ids: Sequence[int] | None = None) -> None:
         self.reasoning, self.tools = reasoning, tools
         self.ended = prompt_ids is not None and reasoning.prompt_ends_reasoning(prompt_ids)
-        self._previous_ids: list[int] = []
+        self._previous_ids: set[int] = set()  # the ids so far (a set: read per delta)
 
     def parse(self, text: str) -> tuple[str | None, str | None, list[Call]]:
         reasoning, content = self.reasoning.extract(text)
@@ -39,7 +39,7 @@ class Composer:
         transitioned = False
         if not self.ended:
             msg, ended = self.reasoning.step(text, ids, self._previous_ids)
-            self._previous_ids.extend(ids)
+            self._previous_ids.update(ids)
             if ended:
                 self.ended = transitioned = True
                 text = (msg or {}).get("content") or ""  # what the tool phase reads first

@@ -4,7 +4,7 @@ text before ``</think>`` is reasoning; an output that never closes it is all
 reasoning. Streaming reads marker token ids, as vLLM's parser of the name."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 from pagedserve.frontend.reasoning.base import Delta, ReasoningParser, delta
 
@@ -40,7 +40,7 @@ class DeepSeekR1Parser(ReasoningParser):
         at = text.find(END)
         return delta(text[:at], text[at + len(END):] or None)
 
-    def step(self, text: str, ids: Sequence[int], previous_ids: Sequence[int]) -> tuple[Delta | None, bool]:
+    def step(self, text: str, ids: Sequence[int], previous_ids: Set[int]) -> tuple[Delta | None, bool]:
         ended = self.end_id in ids
         if len(ids) == 1 and ids[0] in (self.start_id, self.end_id):
             return None, ended

@@ -15,7 +15,7 @@ starts inside the reasoning."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 from pagedserve.frontend.reasoning.base import Delta, ReasoningParser, delta, split_markers
 
@@ -78,7 +78,7 @@ class Qwen3Parser(ReasoningParser):
                 break
         return not self.thinking
 
-    def step(self, text: str, ids: Sequence[int], previous_ids: Sequence[int]) -> tuple[Delta | None, bool]:
+    def step(self, text: str, ids: Sequence[int], previous_ids: Set[int]) -> tuple[Delta | None, bool]:
         reasoning, content, ended = self._run(split_markers(text, ids, self._marks))
         if not reasoning and not content:
             return None, ended
