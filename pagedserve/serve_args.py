@@ -166,5 +166,5 @@ def parse_serve_args(argv: list[str]) -> ServeArgs:
     if args.revision != "main" and not (args.model and is_hub_id(args.model) and not os.path.isdir(args.model)):
         p.error("--revision: only a hub id (org/name) has revisions")
     return ServeArgs(cfg, names, args.host, args.port, args.grpc_port, tuple(args.api_key or ()), args.api_key_file,
-                     args.start_timeout, args.revision, args, tuple(openai_argv(args) + reasoning_argv(args)), args.ssl_certfile,
-                     args.ssl_keyfile)
+                     args.start_timeout, args.revision, args, tuple(openai_argv(args) + reasoning_argv(args)),
+                     args.ssl_certfile, args.ssl_keyfile)

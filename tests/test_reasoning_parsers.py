@@ -48,14 +48,16 @@ THINK_TEXTS = [
     "<think>\nXML call next\n</think>\n\n" + XML_CALL,  # Qwen3-Coder / Qwen3.5's call form
     "<think>\nthinking straight into an XML call" + XML_CALL + "\nafter",
 ]
-H_CALL = '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+H_CALL = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+          '{"city": "Paris"}<|call|>')
 HARMONY_TEXTS = [
     "<|channel|>analysis<|message|>Let me think.<|end|><|start|>assistant<|channel|>final<|message|>Paris.<|return|>",
     "<|channel|>final<|message|>Just the answer.<|return|>",
     "<|channel|>analysis<|message|>Cut in the middle of thinking",
     "Plain text, no harmony at all.",
     "<|channel|>analysis<|message|>I need the weather.<|end|>" + H_CALL,
-    "<|channel|>commentary<|message|>A preamble.<|end|><|start|>assistant<|channel|>final<|message|>Done: 東京 🙂<|return|>",
+    "<|channel|>commentary<|message|>A preamble.<|end|><|start|>assistant<|channel|>final<|message|>"
+    "Done: 東京 🙂<|return|>",
     "<|channel|>analysis<|message|>two calls<|end|>" + H_CALL + H_CALL.replace("get_weather", "get_time"),
     "<|channel|>analysis<|message|>a<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json"
     '<|message|>{"city":"Oslo"}<|call|>',
@@ -140,7 +142,8 @@ def test_answers(tokenizer: Any) -> None:
     def whole(name: str, tools: str | None, text: str) -> list[Any]:
         return ours(name, tools, tokenizer, text, [])["whole"]
 
-    assert whole("qwen3", None, THINK_TEXTS[0]) == ["\nLet me think about Paris.\n", "\n\nParis is the capital of France.", []]
+    assert whole("qwen3", None, THINK_TEXTS[0]) == ["\nLet me think about Paris.\n",
+                                                   "\n\nParis is the capital of France.", []]
     assert whole("deepseek_r1", None, THINK_TEXTS[2]) == ["\nStill thinking about the answer", None, []]
     assert whole("qwen3", None, THINK_TEXTS[6]) == ["\nnested  marker", "after tail", []]  # qwen3 drops repeats
     assert whole("deepseek_r1", None, THINK_TEXTS[6]) == ["\nnested <think> marker", "after</think> tail", []]

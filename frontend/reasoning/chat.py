@@ -145,8 +145,6 @@ def choice(opts: Any, tok: Any, tool_mode: Any, x: Any, prompt_ids: Sequence[int
         tool_parser = tool_mode.parser
     else:
         return fallback
-    if opts.reasoning_parser is None and tool_parser is None:  # --tool-call-parser openai, no tools asked
-        tool_parser = None
     vocab, specials = _vocab(tok)
     thinking = (x.template_kwargs or {}).get("enable_thinking", True) is not False
     return formatter(opts.reasoning_parser, tool_parser, None if tool_mode is None else tool_mode.parallel,
