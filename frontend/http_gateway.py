@@ -44,6 +44,7 @@ from pagedserve.frontend.openai_extras import Extras
 from pagedserve.frontend.openai_options import OpenAIOptions
 from pagedserve.frontend.outputs import Chunk
 from pagedserve.frontend.prompt_options import InputOptions, with_sampler_extras
+from pagedserve.frontend.reasoning import chat as reasoning_chat
 from pagedserve.frontend.tool_parsers import PARSERS
 from pagedserve.frontend.validation import MAX_REQUEST_BYTES, Limits, ValidationError
 from pagedserve.v1 import generation_pb2 as pb
@@ -281,6 +282,7 @@ class Gateway:
             raise ApiError(400, str(e), param=e.field) from None
         if tool_mode is not None and tool_mode.parser is not None and PARSERS[tool_mode.parser].keeps_special_tokens:
             x = replace(x, skip_special_tokens=False)  # vLLM's hermes adjust_request
+        x = reasoning_chat.extras(self.opts, x)  # --reasoning-parser: frontend/reasoning/chat.py
         tok = self.svc.tokenizer
         template = x.chat_template or self.opts.chat_template
         if not template and not has_chat_template(tok):
@@ -313,6 +315,7 @@ class Gateway:
 
         choice = self._chat_choice(as_id) if tool_mode is None else \
             openai_tools.choice_formatter(tool_mode, logprobs, x.return_token_ids)
+        choice = reasoning_chat.choice(self.opts, tok, tool_mode, x, stream.req.prompt_ids, body, sp, logprobs, choice)
         try:
             if x.stream:
                 return await chat_stream(request, stream, ctx, choice, http_batch.engine_error_event)

@@ -16,8 +16,9 @@ from pagedserve.common.config import helptext, json_object
 from pagedserve.common.env import env, env_flag
 from pagedserve.frontend.openai_options import OpenAIOptions
 from pagedserve.frontend.tokenizer_files import generation_file_values
+from pagedserve.frontend.tool_parsers import PARSERS
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
+TOOL_CALL_PARSERS = tuple(PARSERS)  # frontend/tool_parsers
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 # generation_config.json fields that become sampling defaults (vLLM's get_diff_sampling_param).
 SAMPLING_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",

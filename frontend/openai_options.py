@@ -24,6 +24,7 @@ class OpenAIOptions:
     override_max_tokens: int | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # a name in tool_parsers.PARSERS
+    reasoning_parser: str | None = None  # a name in reasoning.NAMES (--reasoning-parser)
     log_requests: bool = False  # log each request's id and parameters (vLLM's --enable-log-requests)
     allowed_origins: tuple[str, ...] = ()  # CORS; ("*",) allows any
     allowed_methods: tuple[str, ...] = ("*",)  # CORS (vLLM's --allowed-methods)

@@ -59,6 +59,7 @@ class ToolMode:
     parallel: bool | None = None  # parallel_tool_calls; False: only the first call is kept
     grammar: str | None = None  # EBNF the output follows (a parser's structural tag: tool_grammar)
     choice: str = "auto"  # "auto", "required" or "named": how a parser's calls are finished
+    tools: Any = None  # the request's tools, for a parser that types arguments by their schema
 
 
 def _tool_list(tools: Any) -> dict[str, dict[str, Any]]:
@@ -133,7 +134,7 @@ def _tagged(parser: str, tools: list[dict[str, Any]], choice: Any, parallel: boo
     if model is not None:
         tag = tool_grammar.structural_tag(tools, choice, parallel, model)
         grammar = None if tag is None else tool_grammar.to_ebnf(tag)
-    return ToolMode(None, None, parser, parallel, grammar, kind)
+    return ToolMode(None, None, parser, parallel, grammar, kind, tools)
 
 
 def enforce(mode: ToolMode, sp: pb.SamplingParams) -> None:
@@ -238,7 +239,7 @@ def choice_formatter(mode: ToolMode, logprobs: Callable[..., Any], send_ids: boo
                      ) -> Callable[[Chunk, dict[str, Any] | None], dict[str, Any] | None]:
     """The gateway's chat choice builder for a tool-enforced or auto request."""
     if mode.parser is not None:
-        return openai_tools_auto.formatter(mode.parser, mode.parallel, logprobs, mode.choice, send_ids)
+        return openai_tools_auto.formatter(mode.parser, mode.parallel, logprobs, mode.choice, send_ids, mode.tools)
 
     def finish(c: Chunk, calls: list[dict[str, Any]] | None) -> str | None:
         if c.finish_reason == "stop" and calls is not None:

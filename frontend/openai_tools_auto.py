@@ -24,13 +24,18 @@ Choice = dict[str, Any]
 
 
 def formatter(parser: str, parallel: bool | None, logprobs: Callable[..., Any], choice: str = "auto",
-              send_ids: bool = False) -> Callable[[Chunk, dict[str, Any] | None], Choice | None]:
+              send_ids: bool = False, tools: Any = None) -> Callable[[Chunk, dict[str, Any] | None], Choice | None]:
     """``choice``: "auto", "required" or "named"; ``send_ids``: the request asked for
     token ids, so a held-back delta still sends its chunk (vLLM's return_token_ids)."""
     cls = PARSERS[parser]
 
+    def make() -> Any:
+        p = cls()
+        p.tools = tools
+        return p
+
     def whole(c: Chunk) -> Choice:
-        content, calls = cls().parse(c.text)
+        content, calls = make().parse(c.text)
         if parallel is False:
             calls = calls[:1]
         if choice != "auto":
@@ -48,7 +53,7 @@ def formatter(parser: str, parallel: bool | None, logprobs: Callable[..., Any], 
         if acc is None:
             return whole(c)
         if "parser" not in acc:
-            acc["parser"] = cls()
+            acc["parser"] = make()
         finished = c.finish_reason is not None
         msg = acc["parser"].feed(c.text, finished)
         if msg is not None and msg.get("tool_calls"):

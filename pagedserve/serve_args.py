@@ -22,6 +22,7 @@ from pagedserve.common.default_model import is_gguf, served_name
 from pagedserve.common.hub_cache import is_hub_id
 from pagedserve.common.version import version
 from pagedserve.frontend.openai_args import add_openai_args, check_openai_args, openai_argv
+from pagedserve.frontend.reasoning.args import add_reasoning_args, reasoning_argv
 
 DEFAULT_HTTP_PORT = 8000  # vLLM's
 DEFAULT_GRPC_PORT = 50051
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssl-keyfile", default=env("TLS_KEY"), help=helptext("PEM private key of --ssl-certfile",
                                                                           "TLS_KEY"))
     add_openai_args(p)
+    add_reasoning_args(p)  # --reasoning-parser (frontend/reasoning)
     g = p.add_argument_group("accepted for vLLM's command lines; other values are refused")
     g.add_argument("--quantization", "-q", default=env("QUANTIZATION"),
                    help=helptext("none, or gguf for a .gguf model (its weights are dequantized): there are no "
@@ -164,5 +166,5 @@ def parse_serve_args(argv: list[str]) -> ServeArgs:
     if args.revision != "main" and not (args.model and is_hub_id(args.model) and not os.path.isdir(args.model)):
         p.error("--revision: only a hub id (org/name) has revisions")
     return ServeArgs(cfg, names, args.host, args.port, args.grpc_port, tuple(args.api_key or ()), args.api_key_file,
-                     args.start_timeout, args.revision, args, tuple(openai_argv(args)), args.ssl_certfile,
-                     args.ssl_keyfile)
+                     args.start_timeout, args.revision, args, tuple(openai_argv(args) + reasoning_argv(args)),
+                     args.ssl_certfile, args.ssl_keyfile)

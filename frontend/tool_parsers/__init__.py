@@ -8,12 +8,15 @@ from collections.abc import Mapping
 from pagedserve.frontend.tool_parsers.base import ToolParser, check_vocab
 from pagedserve.frontend.tool_parsers.hermes import HermesParser
 from pagedserve.frontend.tool_parsers.llama3_json import Llama3JsonParser
+from pagedserve.frontend.tool_parsers.llama4_pythonic import Llama4PythonicParser
 from pagedserve.frontend.tool_parsers.mistral import MistralParser
 from pagedserve.frontend.tool_parsers.openai import OpenAIParser
 from pagedserve.frontend.tool_parsers.pythonic import PythonicParser
+from pagedserve.frontend.tool_parsers.qwen3_xml import Qwen3CoderParser, Qwen3XmlParser
 
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, OpenAIParser)}
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser, OpenAIParser,
+                        Llama4PythonicParser, Qwen3CoderParser, Qwen3XmlParser)}
 
 
 def check(name: str, vocab: Mapping[str, int], model: str) -> None:
@@ -21,8 +24,6 @@ def check(name: str, vocab: Mapping[str, int], model: str) -> None:
     cls = PARSERS.get(name)
     if cls is None:
         raise ValueError(f"--tool-call-parser {name!r} is not one of: {', '.join(sorted(PARSERS))}")
-    if cls is OpenAIParser:
-        raise ValueError(OpenAIParser.refusal)
     why = check_vocab(cls, vocab)
     if why is not None:
         raise ValueError(f"--tool-call-parser {name} cannot be used with the tokenizer of {model!r}: {why}")

@@ -62,6 +62,12 @@ class ToolParser:
     # vLLM's adjust_request turns skip_special_tokens off for a request with tools (and
     # tool_choice not "none"): its tags may be special tokens of some models.
     keeps_special_tokens: ClassVar[bool] = False
+    # The request's tools (a parser that types arguments by their schema reads them: qwen3_xml).
+    tools: list[dict[str, Any]] | None = None
+    # vLLM's skip_reasoning_parsing: think markers are plain content unless a reasoning parser ran first.
+    reasoning_markup_is_text: bool = True
+    # vLLM's engine-based parsers: a whole output without calls answers the parser's content, not the text.
+    engine_based: ClassVar[bool] = False
 
     def __init__(self) -> None:
         # vLLM's shared streaming state: what each call parsed and what was sent of its arguments

@@ -1,20 +1,29 @@
 """``openai``: vLLM's name for gpt-oss models, whose tool calls are harmony
-messages (``<|channel|>commentary to=functions.NAME``, special tokens parsed
-by ``openai_harmony``); vLLM's parser of that name is a stub its harmony
-parser drives. There is no plain-text form to parse, so a server started with
-it on another model is refused at start-up (``check`` in the registry)."""
+messages (``<|channel|>commentary to=functions.NAME <|constrain|>json``);
+read by the harmony reader (``reasoning/harmony.py``), which the chat server
+also uses with ``--reasoning-parser openai_gptoss``. Without it the analysis
+(reasoning) messages are dropped, as vLLM's HarmonyParser drops them."""
 from __future__ import annotations
 
+from pagedserve.frontend.reasoning.harmony import HarmonyParser
 from pagedserve.frontend.tool_parsers.base import Call, Delta, ToolParser
 
 
 class OpenAIParser(ToolParser):
     name = "openai"
-    refusal = ("--tool-call-parser openai parses gpt-oss (harmony) output, which this server does not "
-               "support; use hermes, llama3_json, mistral or pythonic")
+    needs_token = "<|channel|>"
+    keeps_special_tokens = True  # harmony's markers are special tokens
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._harmony = HarmonyParser(reasoning=False, tools=True)
 
     def extract(self, text: str) -> tuple[str | None, list[Call]]:
-        raise NotImplementedError(self.refusal)
+        _, content, calls = HarmonyParser(reasoning=False, tools=True).parse(text)
+        return content, calls
 
-    def extract_streaming(self, previous: str, current: str, delta: str) -> Delta | None:
-        raise NotImplementedError(self.refusal)
+    def parse(self, text: str) -> tuple[str | None, list[Call]]:
+        return self.extract(text)
+
+    def feed(self, delta: str, finished: bool) -> Delta | None:
+        return self._harmony.feed(delta, finished)

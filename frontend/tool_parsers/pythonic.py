@@ -127,6 +127,9 @@ class PythonicParser(ToolParser):
     def extract_streaming(self, previous: str, current: str, delta: str) -> Delta | None:
         if not current.startswith("["):
             return {"content": delta}
+        return self._stream_calls(current)
+
+    def _stream_calls(self, current: str) -> Delta | None:
         closed = close_python(current)
         if closed is None:
             return None

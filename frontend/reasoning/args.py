@@ -1,0 +1,20 @@
+"""``--reasoning-parser``, spelled and meant as vLLM 0.32's: ``pagedserve
+serve`` parses it and hands it to the frontend as its own flag."""
+from __future__ import annotations
+
+import argparse
+
+from pagedserve.common.config import helptext
+from pagedserve.common.env import env
+from pagedserve.frontend.reasoning import NAMES
+
+
+def add_reasoning_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reasoning-parser", default=env("REASONING_PARSER", None), choices=list(NAMES),
+                   help=helptext("split the model's thinking into the answer's reasoning field, as vLLM's "
+                                 "parser of the same name (openai_gptoss: gpt-oss's harmony)", "REASONING_PARSER"))
+
+
+def reasoning_argv(args: argparse.Namespace) -> list[str]:
+    value = getattr(args, "reasoning_parser", None)
+    return [] if value is None else ["--reasoning-parser", value]
