@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.common import curve
+from pagedserve.common.device import cpu_kv_cache_space, resolve_device
 from pagedserve.common.env import env, env_flag, env_int
 from pagedserve.common.messages.blockmgr import DEFAULT_WATERMARK
 from pagedserve.common.rundir import default_run_dir
@@ -58,7 +59,7 @@ def default_addresses(run_dir: str | None = None) -> Addresses:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    device: str = "cpu"
+    device: str = "cpu"  # the flag's default is auto, resolved by config_from_args (common/device.py)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # auto: the weights' dtype; fp8 (= fp8_e4m3), fp8_e5m2: kernels/fp8.py
     load_format: str = "auto"  # auto | safetensors | pt | dummy (random weights of the model's shape)
@@ -69,7 +70,7 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes; CPU default below
-    gpu_memory_utilization: float = 0.90
+    gpu_memory_utilization: float = 0.92  # vLLM 0.32's default
     swap_space: float = 0.0  # GiB of CPU swap space
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 4096
@@ -248,7 +249,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         text="local Hugging Face folder, a .gguf file, or a hub id org/name found in the local Hugging Face cache "
              "($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub; never downloaded); "
              "none: the embedded SmolLM2-135M-Instruct")
-    arg("--device", env_name="DEVICE", default=d.device, text="cpu, cuda or cuda:N")
+    arg("--device", env_name="DEVICE", default="auto",
+        text="auto (cuda when torch sees a GPU, else cpu; logged at start), cpu, cuda or cuda:N")
     arg("--dtype", env_name="DTYPE", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"],
         type=dtype_name, metavar="{auto,half,float16,bfloat16,float,float32}",
         text="weights and KV dtype (half: float16, float: float32); auto: bfloat16 on CUDA, float32 on CPU")
@@ -276,9 +278,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     arg("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", env_name="KV_CACHE_MEMORY",
         default=None, type=parse_size, group=mem,
         text="bytes for the KV pool, e.g. 512MiB or 1073741824; none: --gpu-memory-utilization on CUDA, "
-             "a fixed size on CPU")
+             "on CPU $VLLM_CPU_KVCACHE_SPACE GiB (vLLM's variable; it overrides this flag, as in vLLM), else 4 GiB")
     arg("--gpu-memory-utilization", env_name="GPU_MEMORY_UTILIZATION", default=d.gpu_memory_utilization,
-        type=float, text="share of GPU memory for weights, activations and the KV pool")
+        type=float, text="share of the GPU's total memory for this engine, as vLLM's: the KV pool gets it less "
+                         "the weights, the profiled activation peak and memory outside torch")
     arg("--swap-space", env_name="SWAP_SPACE", default=d.swap_space, type=float, text="GiB of CPU swap space")
     arg("--max-num-seqs", env_name="MAX_NUM_SEQS", default=d.max_num_seqs, type=int,
         text="sequences in one batch at most")
@@ -295,7 +298,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     arg("--enable-prefix-caching", env_name="ENABLE_PREFIX_CACHING",
         default=env_flag("ENABLE_PREFIX_CACHING", d.enable_prefix_caching), action=argparse.BooleanOptionalAction,
         text="share the KV blocks of common prompt prefixes")
-    # The earlier spelling, kept working.
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="same as --no-enable-prefix-caching")
     arg("--disable-hybrid-kv-cache-manager", env_name="DISABLE_HYBRID_KV_CACHE_MANAGER",
@@ -340,7 +342,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None or k == "model"})
+    values = {k: v for k, v in vars(args).items() if k in names and v is not None or k == "model"}
+    values["device"] = resolve_device(values.get("device", "auto"))[0]
+    space = cpu_kv_cache_space() if values["device"] == "cpu" and values.get("num_gpu_blocks") is None else None
+    # vLLM's CPU platform: the variable sets kv_cache_memory_bytes
+    return EngineConfig(**{**values, **({"kv_cache_memory": space} if space is not None else {})})
 
 
 def add_address_args(p: argparse.ArgumentParser) -> None:

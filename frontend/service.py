@@ -27,6 +27,7 @@ from pagedserve.frontend.engine_client import EngineClient
 from pagedserve.frontend.generation import FrontendConfig, GenerationService
 from pagedserve.frontend.openai_args import add_openai_args, build_options, check_openai_args
 from pagedserve.frontend.server import SERVICE_NAME, health_status, serve, server_credentials
+from pagedserve.frontend.server_flags import add_server_flags, server_flags
 from pagedserve.frontend.shutdown import StopSignals, drain
 from pagedserve.frontend.stats_log import log_stats_every
 from pagedserve.frontend.tokenizer import load as load_tokenizer
@@ -93,6 +94,7 @@ async def run(args: argparse.Namespace) -> int:
         ssl_ctx = http_gateway.ssl_context(args.tls_cert, args.tls_key) if args.tls_cert else None
         gw = http_gateway.Gateway(svc, keys, metrics.registry, lambda: engine.healthy, served, opts=opts)
         gw.before_metrics = vllm_metrics.refresh
+        gw.flags = server_flags(args)
         try:
             gateway_runner = await http_gateway.start(gw, args.host, args.http_port, ssl_ctx)
         except OSError as e:
@@ -168,6 +170,7 @@ def main(argv: list[str]) -> int:
                    help="no scheduler answer within this: NOT_SERVING (a lost scheduler: open streams end unless one is back)")
     p.add_argument("--engine-timeout", type=float, default=1800.0, help="seconds to wait for the engine to start")
     add_openai_args(p)
+    add_server_flags(p)
     args = p.parse_args(argv)
     check_addresses(addresses_from_args(args), "frontend")  # fail fast: before anything loads
     try:

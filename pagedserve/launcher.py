@@ -84,6 +84,10 @@ def ports_taken(sa: ServeArgs) -> str | None:
 
 def main(argv: list[str]) -> int:
     sa = parse_serve_args(argv)
+    for note in sa.notes:  # the device it serves on, and each vLLM flag that has no effect here
+        print(f"pagedserve: {note}", file=sys.stderr, flush=True)
+    if sa.download_dir:  # vLLM's --download-dir: hub ids are looked up there (resolve_model)
+        os.environ["HF_HUB_CACHE"] = sa.download_dir
     refused = engine_refusal(sa.cfg, sa.revision)
     if refused:
         print(f"pagedserve serve: error: {refused}", file=sys.stderr, flush=True)

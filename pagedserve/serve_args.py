@@ -3,9 +3,13 @@ the model positionally or with ``--model`` (a folder or a hub id from the
 local cache), ``--host``/``--port`` for the OpenAI HTTP API (default
 127.0.0.1:8000), ``--grpc-port`` for gRPC (50051), ``--api-key``,
 ``--served-model-name``, plus every engine flag and vLLM's OpenAI server flags
-(frontend/openai_args.py). Each flag's help states its default and environment
-variable. A flag we cannot honour is refused in one stderr line that names it
-(exit status 2) before anything loads."""
+(frontend/openai_args.py, frontend/server_flags.py). Each flag's help states its
+default and environment variable. Every other flag of vLLM 0.32's parser is
+accepted with one log line saying it has no effect here, or refused
+(pagedserve/vllm_flags.py); the command line is read as vLLM reads it
+(``--config`` YAML, underscores, ``-O3``: pagedserve/vllm_argv.py). A flag we
+cannot honour, and any error in the command line, is one stderr line that names
+it (exit status 2), never a usage text, before anything loads."""
 from __future__ import annotations
 
 import argparse
@@ -17,11 +21,16 @@ from typing import NoReturn
 
 from pagedserve.common.config import (DEFAULT_SHUTDOWN_TIMEOUT_S, EngineConfig, add_engine_args,  # noqa: F401
                                       config_from_args, env, helptext, shutdown_timeout_default)
+from pagedserve.common.device import resolve_device
 from pagedserve.common.env import env_flag
 from pagedserve.common.default_model import is_gguf, served_name
 from pagedserve.common.hub_cache import is_hub_id
 from pagedserve.common.version import version
 from pagedserve.frontend.openai_args import add_openai_args, check_openai_args, openai_argv
+from pagedserve.frontend.server_flags import add_server_flags, server_flags_argv
+from pagedserve.frontend.tool_parsers import PARSERS
+from pagedserve.vllm_argv import ArgvError, normalize
+from pagedserve.vllm_flags import VLLM_TOOL_CALL_PARSERS, add_vllm_flags, answer_vllm_flags
 
 DEFAULT_HTTP_PORT = 8000  # vLLM's
 DEFAULT_GRPC_PORT = 50051
@@ -37,10 +46,18 @@ def _port(text: str) -> int:
     return v
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """argparse's errors (an unknown flag, a bad value) as one line: no usage text."""
+        if message.startswith("unrecognized arguments"):
+            message += " (a flag of neither pagedserve serve nor vLLM 0.32's serve)"
+        refuse(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedserve serve",
-                                description="Start all four components locally and serve the OpenAI-compatible "
-                                            "HTTP API and the gRPC API.")
+    p = _Parser(prog="pagedserve serve",
+                description="Start all four components locally and serve the OpenAI-compatible "
+                            "HTTP API and the gRPC API.")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as with --model (a folder, a hub id org/name, or a .gguf file)")
     p.add_argument("--version", action="version", version=f"pagedserve {version()}",
@@ -74,6 +91,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssl-keyfile", default=env("TLS_KEY"), help=helptext("PEM private key of --ssl-certfile",
                                                                           "TLS_KEY"))
     add_openai_args(p)
+    add_server_flags(p)
+    p.add_argument("--config", metavar="FILE.yaml",
+                   help="vLLM's config file: a YAML mapping of flag names (without dashes) to values; the "
+                        "command line's own flags win")
+    p.add_argument("--download-dir", default=None,
+                   help="a Hugging Face cache folder where a hub id org/name is looked up (instead of "
+                        "$HF_HUB_CACHE); nothing is downloaded")
+    for a in p._actions:  # every vLLM name is answered in one line (_refusals), not by argparse's choices
+        if a.dest == "tool_call_parser":
+            a.choices = None
+            a.metavar = "{" + ",".join(sorted(PARSERS)) + "}"
     g = p.add_argument_group("accepted for vLLM's command lines; other values are refused")
     g.add_argument("--quantization", "-q", default=env("QUANTIZATION"),
                    help=helptext("none, or gguf for a .gguf model (its weights are dequantized): there are no "
@@ -86,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-parallel-size", "-dp", type=int, default=env("DATA_PARALLEL_SIZE", 1),
                    help=helptext("1 only: one engine per serve; for N replicas see docs/deployment.md "
                                  "(scale-out)", "DATA_PARALLEL_SIZE"))
+    add_vllm_flags(p)
     return p
 
 
@@ -96,6 +125,11 @@ def refuse(message: str) -> NoReturn:
 
 
 def _refusals(args: argparse.Namespace) -> None:
+    parser = args.tool_call_parser
+    if parser is not None and parser not in PARSERS:
+        refuse(f"--tool-call-parser {parser}: " + (
+            "vLLM's parser of that name is not implemented here" if parser in VLLM_TOOL_CALL_PARSERS
+            else "no such parser (nor in vLLM 0.32)") + f"; implemented: {', '.join(sorted(PARSERS))}")
     if args.quantization == "gguf":  # vLLM's flag for a .gguf model; its weights are dequantized (launcher)
         if not (args.model and is_gguf(args.model)):
             refuse("--quantization gguf: the model must be a .gguf file")
@@ -135,11 +169,20 @@ class ServeArgs:
     frontend_flags: tuple[str, ...] = ()  # those flags again, for the frontend's command line
     tls_cert: str | None = None
     tls_key: str | None = None
+    download_dir: str | None = None  # where hub ids are looked up (vLLM's --download-dir)
+    notes: tuple[str, ...] = ()  # the lines serve logs at start: the device, flags without effect
 
 
 def parse_serve_args(argv: list[str]) -> ServeArgs:
     p = build_parser()
+    try:
+        argv = normalize(argv, {o for o in p._option_string_actions if o.startswith("--no-")})
+    except ArgvError as e:
+        refuse(str(e))
     args = p.parse_args(argv)
+    refused, notes = answer_vllm_flags(args)
+    if refused:
+        refuse(refused)
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             p.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
@@ -154,6 +197,7 @@ def parse_serve_args(argv: list[str]) -> ServeArgs:
         args.api_key = env("API_KEY").split()
     _refusals(args)
     try:
+        args.device, why = resolve_device(args.device)
         cfg = config_from_args(args)
         check_openai_args(args)
     except ValueError as e:
@@ -163,6 +207,7 @@ def parse_serve_args(argv: list[str]) -> ServeArgs:
                 f"got {args.revision!r}")
     if args.revision != "main" and not (args.model and is_hub_id(args.model) and not os.path.isdir(args.model)):
         p.error("--revision: only a hub id (org/name) has revisions")
+    notes.insert(0, f"device {cfg.device} ({why})")
     return ServeArgs(cfg, names, args.host, args.port, args.grpc_port, tuple(args.api_key or ()), args.api_key_file,
-                     args.start_timeout, args.revision, args, tuple(openai_argv(args)), args.ssl_certfile,
-                     args.ssl_keyfile)
+                     args.start_timeout, args.revision, args, (*openai_argv(args), *server_flags_argv(args)),
+                     args.ssl_certfile, args.ssl_keyfile, args.download_dir, tuple(notes))
