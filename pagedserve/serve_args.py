@@ -27,7 +27,7 @@ from pagedserve.common.default_model import is_gguf, served_name
 from pagedserve.common.hub_cache import is_hub_id
 from pagedserve.common.version import version
 from pagedserve.frontend.openai_args import add_openai_args, check_openai_args, openai_argv
-from pagedserve.frontend.server_flags import add_server_flags, server_flags_argv
+from pagedserve.frontend.server_flags import add_server_flags
 from pagedserve.frontend.tool_parsers import PARSERS
 from pagedserve.vllm_argv import ArgvError, normalize
 from pagedserve.vllm_flags import VLLM_TOOL_CALL_PARSERS, add_vllm_flags, answer_vllm_flags
@@ -209,5 +209,5 @@ def parse_serve_args(argv: list[str]) -> ServeArgs:
         p.error("--revision: only a hub id (org/name) has revisions")
     notes.insert(0, f"device {cfg.device} ({why})")
     return ServeArgs(cfg, names, args.host, args.port, args.grpc_port, tuple(args.api_key or ()), args.api_key_file,
-                     args.start_timeout, args.revision, args, (*openai_argv(args), *server_flags_argv(args)),
+                     args.start_timeout, args.revision, args, tuple(openai_argv(args)),
                      args.ssl_certfile, args.ssl_keyfile, args.download_dir, tuple(notes))
