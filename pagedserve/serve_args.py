@@ -22,7 +22,6 @@ from typing import NoReturn
 from pagedserve.common.config import (DEFAULT_SHUTDOWN_TIMEOUT_S, EngineConfig, add_engine_args,  # noqa: F401
                                       config_from_args, env, helptext, shutdown_timeout_default)
 from pagedserve.common.device import resolve_device
-from pagedserve.common.env import env_flag
 from pagedserve.common.default_model import is_gguf, served_name
 from pagedserve.common.hub_cache import is_hub_id
 from pagedserve.common.version import version
@@ -64,12 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the version and exit")
     add_engine_args(p)
     p.set_defaults(shutdown_timeout=shutdown_timeout_default())
-    p.add_argument("--served-model-name", nargs="+", default=env("SERVED_MODEL_NAME"), metavar="NAME",
-                   help=helptext("names the OpenAI API accepts in 'model' (the variable: space-separated); the "
-                                 "first is reported by /v1/models and in the model_name metrics label; none: "
-                                 "the model as given (a .gguf file: its name less .gguf)", "SERVED_MODEL_NAME"))
-    p.add_argument("--revision", default=env("REVISION", "main"),
-                   help=helptext("of a hub id: a ref under refs/ in the cache, or a commit hash", "REVISION"))
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help=helptext("names the OpenAI API accepts in 'model'; the first is reported by /v1/models "
+                                 "and in the model_name metrics label; none: the model as given (a .gguf file: "
+                                 "its name less .gguf)", None))
+    p.add_argument("--revision", default="main",
+                   help=helptext("of a hub id: a ref under refs/ in the cache, or a commit hash", None))
     p.add_argument("--host", default=env("HOST", "127.0.0.1"),
                    help=helptext("address the HTTP and gRPC APIs listen on; 0.0.0.0 exposes them", "HOST"))
     p.add_argument("--port", "--http-port", dest="port", type=_port, default=env("HTTP_PORT", DEFAULT_HTTP_PORT),
@@ -84,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "on a command line or in a log", "API_KEY"))
     p.add_argument("--api-key-file", default=env("API_KEY_FILE"),
                    help=helptext("accepted keys, one per line", "API_KEY_FILE"))
-    p.add_argument("--start-timeout", type=float, default=env("START_TIMEOUT", 1800.0),
-                   help=helptext("seconds to wait for the engine to load and answer", "START_TIMEOUT"))
+    p.add_argument("--start-timeout", type=float, default=1800.0,
+                   help=helptext("seconds to wait for the engine to load and answer", None))
     p.add_argument("--ssl-certfile", default=env("TLS_CERT"),
                    help=helptext("PEM certificate chain: serve HTTP and gRPC over TLS", "TLS_CERT"))
     p.add_argument("--ssl-keyfile", default=env("TLS_KEY"), help=helptext("PEM private key of --ssl-certfile",
@@ -94,26 +93,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_flags(p)
     p.add_argument("--config", metavar="FILE.yaml",
                    help="vLLM's config file: a YAML mapping of flag names (without dashes) to values; the "
-                        "command line's own flags win")
+                        "command line's own flags win (default: none)")
     p.add_argument("--download-dir", default=None,
                    help="a Hugging Face cache folder where a hub id org/name is looked up (instead of "
-                        "$HF_HUB_CACHE); nothing is downloaded")
+                        "$HF_HUB_CACHE); nothing is downloaded (default: none)")
     for a in p._actions:  # every vLLM name is answered in one line (_refusals), not by argparse's choices
         if a.dest == "tool_call_parser":
             a.choices = None
             a.metavar = "{" + ",".join(sorted(PARSERS)) + "}"
     g = p.add_argument_group("accepted for vLLM's command lines; other values are refused")
-    g.add_argument("--quantization", "-q", default=env("QUANTIZATION"),
+    g.add_argument("--quantization", "-q", default=None,
                    help=helptext("none, or gguf for a .gguf model (its weights are dequantized): there are no "
-                                 "quantized kernels",
-                                 "QUANTIZATION"))
-    g.add_argument("--enable-lora", action="store_true", default=env_flag("ENABLE_LORA", False),
-                   help=helptext("refused: LoRA adapters are not supported", "ENABLE_LORA"))
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=env("PIPELINE_PARALLEL_SIZE", 1),
-                   help=helptext("1 only (shard over GPUs with --tensor-parallel-size)", "PIPELINE_PARALLEL_SIZE"))
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=env("DATA_PARALLEL_SIZE", 1),
+                                 "quantized kernels", None))
+    g.add_argument("--enable-lora", action="store_true", default=False,
+                   help=helptext("refused: LoRA adapters are not supported", None))
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help=helptext("1 only (shard over GPUs with --tensor-parallel-size)", None))
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help=helptext("1 only: one engine per serve; for N replicas see docs/deployment.md "
-                                 "(scale-out)", "DATA_PARALLEL_SIZE"))
+                                 "(scale-out)", None))
     add_vllm_flags(p)
     return p
 
@@ -190,7 +188,7 @@ def parse_serve_args(argv: list[str]) -> ServeArgs:
     if args.port == args.grpc_port:
         p.error(f"--port (HTTP) and --grpc-port are both {args.port}")
     served = args.served_model_name
-    names = (served.split() if isinstance(served, str) else served) or [served_name(args.model)]
+    names = served or [served_name(args.model)]
     if any(not n or len(n) > 256 for n in names):
         p.error("--served-model-name: each name must have 1 to 256 characters")
     if args.api_key is None and env("API_KEY"):
