@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -257,6 +258,34 @@ def test_docs_table_is_the_parsers() -> None:
     shown = text.split(start, 1)[1].split(end, 1)[0]
     assert shown == markdown_table(VLLM["flags"], build_parser()), (
         "docs/api.md's vLLM flag table is stale: run `python tests/test_vllm_flags.py` to rewrite it")
+
+
+ENGINE = ("common", "frontend", "scheduler", "blockmgr", "gpuworker", "kernels", "pagedserve")
+_READS = re.compile(r'(?:\benv|env_int|env_flag|read_env)\(\s*"([A-Z_]+)"|env_name="([A-Z_]+)"|"PAGEDSERVE_([A-Z_]+)"'
+                    r'|\b[A-Z_]*ENV = "([A-Z_]+)"')
+# Names built at run time: frontend/http_conn.py's HTTP_<limit>, common/metrics.py's <COMPONENT>_METRICS_PORT.
+FAMILIES = {"HTTP_HEADER_TIMEOUT", "HTTP_BODY_TIMEOUT", "HTTP_MAX_CONNECTIONS", "FRONTEND_METRICS_PORT",
+            "SCHEDULER_METRICS_PORT", "BLOCKMGR_METRICS_PORT", "GPUWORKER_METRICS_PORT"}
+
+
+def test_env_table_is_every_variable_the_engine_reads() -> None:
+    """docs/deployment.md's table lists exactly the PAGEDSERVE_* variables the engine reads (issue 39)."""
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    table = text.split("<!-- env-vars:start -->", 1)[1].split("<!-- env-vars:end -->", 1)[0]
+    listed = set(re.findall(r"`PAGEDSERVE_([A-Z_]+)`", table))
+    read: set[str] = set()
+    for top in ENGINE:
+        for path in (ROOT / top).rglob("*.py"):
+            if "bench" not in path.parts:  # pagedserve bench is a client of the engine, not the engine
+                read |= {next(g for g in m.groups() if g).removeprefix("PAGEDSERVE_")
+                         for m in _READS.finditer(path.read_text())}
+    read.discard("")  # common/env.py's prefix itself
+    assert read | FAMILIES == listed, (sorted(read - listed), sorted(listed - read - FAMILIES))
+    assert len(listed) < 84 - 30  # issue 39 counted 84 that mirrored flags
+    # and no flag of serve reads a variable the table does not list
+    for a in build_parser()._actions:
+        for name in re.findall(r"env PAGEDSERVE_([A-Z_]+)", a.help or ""):
+            assert name in listed, (a.option_strings, name)
 
 
 def _http(base: str, path: str, body: Any = None, headers: dict[str, str] | None = None
