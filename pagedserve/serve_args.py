@@ -28,7 +28,7 @@ from pagedserve.common.version import version
 from pagedserve.frontend.openai_args import add_openai_args, check_openai_args, openai_argv
 from pagedserve.frontend.server_flags import add_server_flags
 from pagedserve.frontend.tool_parsers import PARSERS
-from pagedserve.vllm_argv import ArgvError, normalize
+from pagedserve.vllm_argv import ArgvError, human_readable_int, model_len, normalize
 from pagedserve.vllm_flags import VLLM_TOOL_CALL_PARSERS, add_vllm_flags, answer_vllm_flags
 
 DEFAULT_HTTP_PORT = 8000  # vLLM's
@@ -97,10 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--download-dir", default=None,
                    help="a Hugging Face cache folder where a hub id org/name is looked up (instead of "
                         "$HF_HUB_CACHE); nothing is downloaded (default: none)")
-    for a in p._actions:  # every vLLM name is answered in one line (_refusals), not by argparse's choices
+    for a in p._actions:  # vLLM's values: every name answered in one line (_refusals, _vllm_values)
         if a.dest == "tool_call_parser":
             a.choices = None
             a.metavar = "{" + ",".join(sorted(PARSERS)) + "}"
+        elif a.dest == "attention_backend":
+            a.choices = None
+        elif a.dest in ("max_model_len", "max_num_batched_tokens"):  # vLLM's 32k, 1K, auto
+            a.type = model_len if a.dest == "max_model_len" else human_readable_int
     g = p.add_argument_group("accepted for vLLM's command lines; other values are refused")
     g.add_argument("--quantization", "-q", default=None,
                    help=helptext("none, or gguf for a .gguf model (its weights are dequantized): there are no "
@@ -181,6 +185,10 @@ def parse_serve_args(argv: list[str]) -> ServeArgs:
     refused, notes = answer_vllm_flags(args)
     if refused:
         refuse(refused)
+    if args.attention_backend not in ("auto", "torch", "triton"):  # vLLM's backend names (FLASH_ATTN, ...)
+        notes.append(f"--attention-backend {args.attention_backend}: accepted, without effect here: this "
+                     "engine picks its attention kernels (auto, or torch / triton)")
+        args.attention_backend = "auto"
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             p.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")

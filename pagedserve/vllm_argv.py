@@ -125,3 +125,21 @@ def normalize(argv: list[str], negatable: set[str]) -> list[str]:
     for name, value in merged.items():
         kept += [name, json.dumps(value)]
     return kept
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's type of --max-num-batched-tokens: 1k = 1000, 1K = 1024, 25.6k = 25600."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text.strip())
+    if not m:
+        return int(text)
+    number, suffix = m.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise ValueError(f"decimals are not allowed with binary suffixes like {suffix}")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
+def model_len(text: str) -> int | None:
+    """vLLM's type of --max-model-len: human_readable_int, or -1 / auto (here: the model's own length)."""
+    return None if text.strip() in ("-1", "auto", "AUTO", "Auto") else human_readable_int(text)
