@@ -365,6 +365,12 @@ def test_cpu_by_default_with_vllms_flags(tmp_path: Path) -> None:
         assert all(t.startswith("token_id:") for t in out["choices"][0]["logprobs"]["tokens"]), out
         assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": None,
                                                          "multimodal_tokens": None}, out["usage"]
+        long_prompt = {**body, "prompt": " ".join(["alpha beta gamma delta"] * 4), "logprobs": None}
+        _, first = _http(srv.http, "/v1/completions", long_prompt)
+        _, again = _http(srv.http, "/v1/completions", long_prompt)  # its full blocks now in the prefix cache
+        n_prompt = json.loads(first)["usage"]["prompt_tokens"]
+        assert json.loads(first)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert json.loads(again)["usage"]["prompt_tokens_details"]["cached_tokens"] == (n_prompt - 1) // 16 * 16 > 0
         headers, raw = _http(srv.http, "/v1/completions", {**body, "return_tokens_as_token_ids": False})
         assert len(headers.get("X-Request-Id", "")) == 32  # a new uuid4 hex
         assert not any(t.startswith("token_id:") for t in json.loads(raw)["choices"][0]["logprobs"]["tokens"])
