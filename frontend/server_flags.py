@@ -10,16 +10,21 @@
   at its end, as ``stream_options: {include_usage, continuous_usage_stats}`` would;
 * ``--chat-template-content-format``: a message's content reaches the chat
   template as a string (text parts joined by newlines) or as OpenAI's list of
-  parts; auto: the list where the template loops over a message's content.
+  parts; auto: the list where the template loops over a message's content;
+* ``--default-chat-template-kwargs``: a JSON object of chat-template variables
+  under every request's own ``chat_template_kwargs`` (vLLM's ``merge_kwargs``).
 
 Parsed by ``serve`` and the frontend (``add_server_flags``), read by the HTTP routes."""
 from __future__ import annotations
 
 import argparse
+import json
 import uuid
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
+
+from pagedserve.common.config import json_object
 
 CONTENT_FORMATS = ("auto", "string", "openai")
 
@@ -31,6 +36,7 @@ class ServerFlags:
     enable_prompt_tokens_details: bool = False
     enable_force_include_usage: bool = False
     chat_template_content_format: str = "auto"
+    default_chat_template_kwargs: str | None = None  # a JSON object
 
 
 _BOOLS = {"return_tokens_as_token_ids": "logprobs' tokens as token_id:N unless a request says otherwise",
@@ -49,25 +55,35 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="a message's content in the chat template: string (text parts joined by newlines) or "
                         "openai (a list of parts); auto: openai where the template loops over the content "
                         "(default: auto)")
+    g.add_argument("--default-chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                   help="chat-template variables for every request, under its own chat_template_kwargs, e.g. "
+                        "'{\"enable_thinking\": false}' (default: none)")
 
 
 def server_flags(args: argparse.Namespace) -> ServerFlags:
-    return ServerFlags(*(bool(getattr(args, n)) for n in _BOOLS), args.chat_template_content_format)
+    return ServerFlags(*(bool(getattr(args, n)) for n in _BOOLS), args.chat_template_content_format,
+                       args.default_chat_template_kwargs)
 
 
 def server_flags_argv(args: argparse.Namespace) -> list[str]:
     """The flags that rebuild them in the frontend process."""
-    return [*("--" + n.replace("_", "-") for n in _BOOLS if getattr(args, n)),
-            "--chat-template-content-format", args.chat_template_content_format]
+    out = [*("--" + n.replace("_", "-") for n in _BOOLS if getattr(args, n)),
+           "--chat-template-content-format", args.chat_template_content_format]
+    if args.default_chat_template_kwargs is not None:
+        out += ["--default-chat-template-kwargs", args.default_chat_template_kwargs]
+    return out
 
 
 def with_server_flags(flags: ServerFlags, x: Any, body: dict[str, Any]) -> Any:
     """A request's extras (``openai_extras.Extras``) with the server's defaults applied as vLLM applies them."""
-    changes: dict[str, bool] = {}
+    changes: dict[str, Any] = {}
     if flags.return_tokens_as_token_ids and body.get("return_tokens_as_token_ids") is None:
         changes["return_tokens_as_token_ids"] = True
     if flags.enable_force_include_usage and x.stream:  # vLLM's should_include_usage: (True, True)
         changes.update(include_usage=True, continuous_usage=True)
+    if flags.default_chat_template_kwargs is not None:  # the request's own win, unless None or "auto"
+        own = {k: v for k, v in x.template_kwargs.items() if v is not None and v != "auto"}
+        changes["template_kwargs"] = {**json.loads(flags.default_chat_template_kwargs), **own}
     return replace(x, **changes) if changes else x
 
 

@@ -108,7 +108,7 @@ REFUSED: tuple[tuple[str, str], ...] = (
     ("not supported here", "--skip-tokenizer-init! --enable-prompt-embeds! --tokens-only! --enable-scale-out! "
      "--enable-return-routed-experts! --enable-tokenizer-info-endpoint! --uds --hf-config-path --quantization-config "
      "--watermark-config --diffusion-config|-dc --engram-config --reasoning-config --device-ids "
-     "--default-chat-template-kwargs --disable-sliding-window! --scheduling-policy=fcfs --logprobs-mode=raw_logprobs"),
+     "--disable-sliding-window! --scheduling-policy=fcfs --logprobs-mode=raw_logprobs"),
     ("TLS client verification is not supported (server TLS: --ssl-certfile, --ssl-keyfile)",
      "--ssl-ca-certs --ssl-cert-reqs=0 --ssl-ciphers"),
     ("OpenTelemetry traces are not exported", "--otlp-traces-endpoint --collect-detailed-traces+"),

@@ -52,7 +52,7 @@ NATIVE_VALUES = {
     "--ssl-keyfile": "/certs/k.pem", "--dtype": "bfloat16", "--tokenizer-mode": "auto", "--load-format": "auto",
     "--kv-cache-dtype": "fp8", "--attention-backend": "FLASH_ATTN", "--prefix-caching-hash-algo": "sha256",
     "--uvicorn-log-level": "warning", "--response-role": "assistant", "--download-dir": "/models",
-    "--chat-template-content-format": "openai",
+    "--chat-template-content-format": "openai", "--default-chat-template-kwargs": '{"enable_thinking": false}',
 }
 SIBLINGS = {"--enable-auto-tool-choice": ["--tool-call-parser", "hermes"], "--ssl-certfile": ["--ssl-keyfile", "k"],
             "--ssl-keyfile": ["--ssl-certfile", "c"], "--revision": ["--model", "org/name"]}
@@ -342,7 +342,8 @@ def _hub_cache(tmp_path: Path) -> Path:
 def test_cpu_by_default_with_vllms_flags(tmp_path: Path) -> None:
     """--device left out on this CPU machine: serves on cpu and says so; the model comes from
     --download-dir; VLLM_CPU_KVCACHE_SPACE sizes the pool; the response flags shape the bodies."""
-    template = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+    template = ("{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+                "{{ suffix }}")
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
     if os.path.exists("/dev/nvidia0"):
         env.pop("CUDA_VISIBLE_DEVICES")  # a GPU machine: the CPU half needs it hidden
@@ -350,6 +351,7 @@ def test_cpu_by_default_with_vllms_flags(tmp_path: Path) -> None:
     with serve("org/tiny", "--download-dir", str(_hub_cache(tmp_path)), "--disable-fastapi-docs",
                "--return-tokens-as-token-ids", "--enable-request-id-headers", "--enable-prompt-tokens-details",
                "--enable-force-include-usage", "--chat-template", template, "--max-model-len", "128",
+               "--default-chat-template-kwargs", '{"suffix": "!", "other": 1}',
                env=env) as srv:
         log = "".join(srv.log)
         assert "pagedserve: device cpu (auto: " in log, log[-3000:]
@@ -385,7 +387,9 @@ def test_cpu_by_default_with_vllms_flags(tmp_path: Path) -> None:
                 "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                           {"type": "text", "text": "b"}]}]}
         _, raw = _http(srv.http, "/v1/chat/completions", chat)
-        assert json.loads(raw)["prompt_text"] == "[a][b]"
+        assert json.loads(raw)["prompt_text"] == "[a][b]!"  # --default-chat-template-kwargs
+        _, raw = _http(srv.http, "/v1/chat/completions", {**chat, "chat_template_kwargs": {"suffix": "?"}})
+        assert json.loads(raw)["prompt_text"] == "[a][b]?"  # the request's own win
 
 
 def test_gpu_by_default_where_torch_sees_one(tmp_path: Path) -> None:
