@@ -24,7 +24,7 @@ from pagedserve.frontend import error_table
 from pagedserve.frontend.errors import ApiError
 from pagedserve.frontend.http_fields import check_ids, is_token_id
 from pagedserve.frontend.generation import EngineError, RequestStream
-from pagedserve.frontend.http_response import completion_logprobs, event_stream, prompt_logprobs, usage
+from pagedserve.frontend.http_response import cached_details, completion_logprobs, event_stream, prompt_logprobs, usage
 from pagedserve.frontend.http_shared import Ctx, GatewayApi
 from pagedserve.frontend.openai_extras import Extras
 from pagedserve.frontend.outputs import Chunk, Logprob
@@ -125,7 +125,8 @@ async def run_batch(gw: GatewayApi, request: web.Request, x: Extras, prompts: li
             streams.append(await gw.open_stream(request, p))
         n = prepared[0].prep.params.n
         ps = [_Prompt(gw, p, s, x, echo_only) for p, s in zip(prompts, streams)]
-        ctx = Ctx("cmpl-" + (x.request_id or uuid.uuid4().hex), "text_completion", gw.model_name(), n, x)
+        ctx = Ctx("cmpl-" + (x.request_id or uuid.uuid4().hex), "text_completion", gw.model_name(), n, x,
+                  prompt_details=gw.flags.enable_prompt_tokens_details)
         if x.stream:
             return await _stream(request, ps, ctx)
         results = await asyncio.gather(*(s.collect() for s in streams))
@@ -138,7 +139,7 @@ async def run_batch(gw: GatewayApi, request: web.Request, x: Extras, prompts: li
                     ch["prompt_logprobs"] = plp
                 choices.append(ch)
         return web.json_response({"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model,
-                                  "choices": choices, "usage": _usage(streams)})
+                                  "choices": choices, "usage": _usage(streams, ctx, False)})
     except EngineError as e:
         raise engine_api_error(e) from None
     finally:
@@ -146,8 +147,10 @@ async def run_batch(gw: GatewayApi, request: web.Request, x: Extras, prompts: li
             s.close()
 
 
-def _usage(streams: list[RequestStream]) -> dict[str, int]:
-    return usage(sum(len(s.req.prompt_ids) for s in streams), sum(s.num_completion_tokens for s in streams))
+def _usage(streams: list[RequestStream], ctx: Ctx, streaming: bool) -> dict[str, Any]:
+    # prompt_tokens_details: the last prompt's, as vLLM's completions report it
+    return usage(sum(len(s.req.prompt_ids) for s in streams), sum(s.num_completion_tokens for s in streams),
+                 cached_details(ctx, streams[-1], streaming))
 
 
 async def _stream(request: web.Request, ps: list[_Prompt], ctx: Ctx) -> web.StreamResponse:
@@ -201,7 +204,7 @@ async def _stream(request: web.Request, ps: list[_Prompt], ctx: Ctx) -> web.Stre
             t.cancel()
     if x.include_usage:
         batch.add({"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model,
-                   "choices": [], "usage": _usage([p.stream for p in ps])})
+                   "choices": [], "usage": _usage([p.stream for p in ps], ctx, True)})
     batch.add_raw(b"data: [DONE]\n\n")
     await batch.flush(resp)
     await resp.write_eof()

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedserve.common import request_fields
 from pagedserve.frontend import http_batch, http_cors, http_extras, http_fields, http_json, http_lax
-from pagedserve.frontend import openai_extras, openai_structured, openai_tools, stop_tokens
+from pagedserve.frontend import openai_extras, openai_structured, openai_tools, server_flags, stop_tokens
 from pagedserve.frontend.auth import ApiKeys
 from pagedserve.frontend.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.engine_client import DuplicateRequestId
@@ -75,10 +75,12 @@ class Gateway:
         self.guard = ConnectionGuard(self.http_limits.max_connections)
         self.root_path = http_cors.normalize_root(self.opts.root_path)
         self.cors = http_cors.Cors(self.opts)
+        self.flags = server_flags.ServerFlags()  # vLLM's response flags; the service sets them
 
     # ------------------------------------------------------------ plumbing
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self.guard.middleware, self._errors])
+        server_flags.install(app, self.flags)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/models", self.models)
@@ -201,6 +203,7 @@ class Gateway:
 
     def _extras(self, request: web.Request, body: dict[str, Any], chat: bool) -> Extras:
         x = openai_extras.parse(body, chat, self.opts, self._limits().vocab_size, request.headers.get("X-Request-Id"))
+        x = server_flags.with_server_flags(self.flags, x, body)
         return x if x.request_id else replace(x, request_id=uuid.uuid4().hex)
 
     def _capped(self, max_tokens: Any) -> Any:
@@ -289,7 +292,8 @@ class Gateway:
             raise ApiError(400, "messages: this model has no chat template; use /v1/completions", param="messages")
         conv, tools = openai_tools.as_vllm_renders(conv, tools, template or getattr(tok, "chat_template", None))
         try:
-            prompt = render_chat(tok, conv, tools, x.add_generation_prompt, template, x.template_kwargs)
+            conv_t = server_flags.with_content_format(self.flags, conv, body.get("messages"), template, tok)
+            prompt = render_chat(tok, conv_t, tools, x.add_generation_prompt, template, x.template_kwargs)
         except ValidationError as e:
             raise ApiError(400, str(e), param=e.field) from None
         # vLLM: the answer's role is the server's, or, continuing a message, that message's.
@@ -307,7 +311,7 @@ class Gateway:
                                                                  self.opts.default_sampling.get("max_tokens")))
         stream = await self.open_stream(request, prepared)
         ctx = Ctx(f"chatcmpl-{x.request_id}", "chat.completion", self.model_name(), prepared.prep.params.n, x,
-                  role, echo_text, prompt)
+                  role, echo_text, prompt, self.flags.enable_prompt_tokens_details)
         as_id = x.return_tokens_as_token_ids
 
         def logprobs(c: Chunk, context: list[int] | None = None) -> Any:  # context: a stream's earlier ids

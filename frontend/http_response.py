@@ -14,6 +14,7 @@ from aiohttp import web
 from pagedserve.frontend.generation import EngineError, RequestStream
 from pagedserve.frontend.http_shared import Ctx, GatewayApi
 from pagedserve.frontend.outputs import Chunk, Logprob
+from pagedserve.frontend.server_flags import prompt_tokens_details
 from pagedserve.frontend.sse_writes import SseBatch
 
 MIN_LOGPROB = -9999.0  # vLLM writes -inf as this (JSON has no infinity)
@@ -78,8 +79,17 @@ def _with_chosen(tok: int, e: Logprob) -> list[tuple[int, float]]:
     return list(out.items())
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+def usage(prompt: int, completion: int, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                           "completion_tokens": completion}
+    if details is not None:
+        out["prompt_tokens_details"] = details
+    return out
+
+
+def cached_details(ctx: Ctx, stream: RequestStream, streaming: bool) -> dict[str, Any] | None:
+    """--enable-prompt-tokens-details: the prompt tokens the prefix cache held (server_flags)."""
+    return prompt_tokens_details(stream.times.num_cached_tokens, streaming) if ctx.prompt_details else None
 
 
 def completion_logprobs(gw: GatewayApi, entries: list[tuple[int, Logprob | None]], as_id: bool,
@@ -175,7 +185,7 @@ def chat_response(gw: GatewayApi, ctx: Ctx, stream: RequestStream, merged: dict[
             ch["token_ids"] = c.token_ids
         choices.append(ch)
     out = {"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model, "choices": choices,
-           "usage": usage(len(stream.req.prompt_ids), stream.num_completion_tokens)}
+           "usage": usage(len(stream.req.prompt_ids), stream.num_completion_tokens, cached_details(ctx, stream, False))}
     if x is not None:
         if x.prompt_logprobs is not None or x.echo:  # vLLM: echo asks for them (top_logprobs of them)
             out["prompt_logprobs"] = prompt_logprobs(gw, stream)
@@ -239,7 +249,7 @@ async def chat_stream(request: web.Request, stream: RequestStream, ctx: Ctx, cho
         batch.add(engine_error_event(e))
     if x is not None and x.include_usage:
         batch.add({"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model, "choices": [],
-                         "usage": usage(n_prompt, stream.num_completion_tokens)})
+                         "usage": usage(n_prompt, stream.num_completion_tokens, cached_details(ctx, stream, True))})
     batch.add_raw(b"data: [DONE]\n\n")
     await batch.flush(resp)
     await resp.write_eof()

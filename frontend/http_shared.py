@@ -13,6 +13,7 @@ from pagedserve.frontend.generation import GenerationService, RequestStream
 from pagedserve.frontend.openai_extras import Extras
 from pagedserve.frontend.openai_options import OpenAIOptions
 from pagedserve.frontend.prompt_options import InputOptions
+from pagedserve.frontend.server_flags import ServerFlags
 from pagedserve.v1 import generation_pb2 as pb
 
 
@@ -21,10 +22,12 @@ class Ctx:
     with the request's vLLM extras, the chat role and what chat ``echo`` prepends."""
 
     def __init__(self, id_: str, obj: str, model: str, n: int, extras: Extras | None = None,
-                 role: str = "assistant", echo_text: str = "", prompt_text: str | None = None) -> None:
+                 role: str = "assistant", echo_text: str = "", prompt_text: str | None = None,
+                 prompt_details: bool = False) -> None:
         self.id, self.object, self.model, self.n = id_, obj, model, n
         self.extras, self.role, self.echo_text, self.prompt_text = extras, role, echo_text, prompt_text
         self.created = int(time.time())
+        self.prompt_details = prompt_details  # usage.prompt_tokens_details (--enable-prompt-tokens-details)
 
 
 class GatewayApi(Protocol):
@@ -32,6 +35,7 @@ class GatewayApi(Protocol):
 
     svc: GenerationService
     opts: OpenAIOptions
+    flags: ServerFlags
 
     async def json_body(self, request: web.Request) -> dict[str, Any]: ...
 

@@ -2,8 +2,8 @@
 and the engine's ``--generation-config``): ``pagedserve serve`` parses them,
 checks them before anything loads (``check_openai_args``) and hands them to the
 frontend as its own flags (``openai_argv``); the frontend turns them into one
-``OpenAIOptions`` once its tokenizer is loaded (``build_options``). Each flag
-also reads a ``PAGEDSERVE_*`` variable, so compose can set it."""
+``OpenAIOptions`` once its tokenizer is loaded (``build_options``). A container
+sets them on the frontend's command line (no variable mirrors them)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,6 @@ import os
 from typing import Any
 
 from pagedserve.common.config import helptext, json_object
-from pagedserve.common.env import env, env_flag
 from pagedserve.frontend.openai_options import OpenAIOptions
 from pagedserve.frontend.tokenizer_files import generation_file_values
 from pagedserve.frontend.tool_parsers import PARSERS
@@ -44,50 +43,49 @@ def json_list(text: str) -> tuple[str, ...]:
 def add_openai_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("OpenAI server (vLLM's flags)")
 
-    def arg(*flags: str, env_name: str, default: Any, text: str, **kw: Any) -> None:
-        value = default if "action" in kw else env(env_name, default)
-        g.add_argument(*flags, default=value, help=helptext(text, env_name), **kw)
+    def arg(*flags: str, default: Any, text: str, **kw: Any) -> None:
+        g.add_argument(*flags, default=default, help=helptext(text, None), **kw)
 
-    arg("--response-role", env_name="RESPONSE_ROLE", default="assistant",
+    arg("--response-role", default="assistant",
         text="role of the generated chat message when the request's last message does not ask for one")
-    arg("--chat-template", env_name="CHAT_TEMPLATE", default=None,
+    arg("--chat-template", default=None,
         text="a Jinja chat template file, or the template itself inline; replaces the tokenizer's for "
              "every API (chat, /tokenize, gRPC); none: the tokenizer's")
-    arg("--max-logprobs", env_name="MAX_LOGPROBS", default=20, type=int,
+    arg("--max-logprobs", default=20, type=int,
         text="most logprobs / top_logprobs / prompt_logprobs a request may ask for; -1: the vocabulary size")
-    arg("--generation-config", env_name="GENERATION_CONFIG", default="auto",
+    arg("--generation-config", default="auto",
         text="sampling defaults: auto: the model folder's generation_config.json (temperature, top_p, top_k, "
              "min_p, repetition/presence/frequency penalties, max_new_tokens as max_tokens); vllm: none; "
              "or a folder with a generation_config.json")
-    arg("--override-generation-config", env_name="OVERRIDE_GENERATION_CONFIG", default=None, type=json_object,
+    arg("--override-generation-config", default=None, type=json_object,
         text="JSON object over --generation-config's, e.g. '{\"temperature\": 0.5, \"max_new_tokens\": 64}'")
-    arg("--enable-log-requests", env_name="ENABLE_LOG_REQUESTS", default=env_flag("ENABLE_LOG_REQUESTS", False),
+    arg("--enable-log-requests", default=False,
         action=argparse.BooleanOptionalAction, text="log each request's id and sampling parameters")
     g.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
-                   default=env_flag("ENABLE_LOG_REQUESTS", False),
+                   default=False,
                    help=helptext("same as --no-enable-log-requests (vLLM's earlier spelling); "
-                                 "--enable-log-requests", "ENABLE_LOG_REQUESTS"))
-    arg("--disable-log-stats", env_name="DISABLE_LOG_STATS", default=env_flag("DISABLE_LOG_STATS", False),
+                                 "--enable-log-requests", None))
+    arg("--disable-log-stats", default=False,
         action="store_true", text="no periodic engine stats lines (every 10 s while busy) in the log")
-    arg("--uvicorn-log-level", env_name="UVICORN_LOG_LEVEL", default="info", choices=list(LOG_LEVELS),
+    arg("--uvicorn-log-level", default="info", choices=list(LOG_LEVELS),
         text="level of the HTTP server's own log (aiohttp here; trace: debug)")
-    arg("--trust-request-chat-template", env_name="TRUST_REQUEST_CHAT_TEMPLATE",
-        default=env_flag("TRUST_REQUEST_CHAT_TEMPLATE", False), action="store_true",
+    arg("--trust-request-chat-template",
+        default=False, action="store_true",
         text="let a request's own chat_template (or chat_template_kwargs' one) render its prompt; off: 400")
-    arg("--allowed-origins", env_name="ALLOWED_ORIGINS", default=(), type=json_list,
+    arg("--allowed-origins", default=(), type=json_list,
         text="CORS: a JSON list of origins browsers may call from, '[\"*\"]' for any; none: no CORS")
-    arg("--allowed-methods", env_name="ALLOWED_METHODS", default=("*",), type=json_list,
+    arg("--allowed-methods", default=("*",), type=json_list,
         text="CORS: a JSON list of methods")
-    arg("--allowed-headers", env_name="ALLOWED_HEADERS", default=("*",), type=json_list,
+    arg("--allowed-headers", default=("*",), type=json_list,
         text="CORS: a JSON list of request headers")
-    arg("--allow-credentials", env_name="ALLOW_CREDENTIALS", default=env_flag("ALLOW_CREDENTIALS", False),
+    arg("--allow-credentials", default=False,
         action="store_true", text="CORS: allow credentials (cookies, Authorization) on cross-origin calls")
-    arg("--root-path", env_name="ROOT_PATH", default="",
+    arg("--root-path", default="",
         text="path prefix a proxy in front strips (e.g. /llm); also accepted on the requests themselves")
-    arg("--enable-auto-tool-choice", env_name="ENABLE_AUTO_TOOL_CHOICE",
-        default=env_flag("ENABLE_AUTO_TOOL_CHOICE", False), action="store_true",
+    arg("--enable-auto-tool-choice",
+        default=False, action="store_true",
         text="tool_choice \"auto\": the model decides, its tool calls parsed by --tool-call-parser (required)")
-    arg("--tool-call-parser", env_name="TOOL_CALL_PARSER", default=None, choices=list(TOOL_CALL_PARSERS),
+    arg("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
         text="how tool calls are read from the model's text, as vLLM's parser of the same name")
 
 

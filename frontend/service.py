@@ -27,8 +27,9 @@ from pagedserve.frontend.auth import load_keys
 from pagedserve.frontend.engine_client import EngineClient
 from pagedserve.frontend.generation import FrontendConfig, GenerationService
 from pagedserve.frontend.openai_args import add_openai_args, build_options, check_openai_args
-from pagedserve.frontend.reasoning.args import add_reasoning_args
+from pagedserve.frontend.reasoning.args import ALIASES, add_reasoning_args
 from pagedserve.frontend.server import SERVICE_NAME, health_status, serve, server_credentials
+from pagedserve.frontend.server_flags import add_server_flags, server_flags
 from pagedserve.frontend.shutdown import StopSignals, drain
 from pagedserve.frontend.stats_log import log_stats_every
 from pagedserve.frontend.tokenizer import load as load_tokenizer
@@ -56,6 +57,7 @@ async def run(args: argparse.Namespace) -> int:
                                slow=cfg.tokenizer_mode == "slow", trust_remote_code=cfg.trust_remote_code)
     opts = build_options(args, model_dir, len(tokenizer))
     if args.reasoning_parser is not None:  # refused at start when the tokenizer lacks its markers
+        args.reasoning_parser = ALIASES.get(args.reasoning_parser, args.reasoning_parser)
         try:
             reasoning.check(args.reasoning_parser, tokenizer.get_vocab(), cfg.model or model_dir,
                             opts.tool_call_parser)
@@ -102,6 +104,7 @@ async def run(args: argparse.Namespace) -> int:
         ssl_ctx = http_gateway.ssl_context(args.tls_cert, args.tls_key) if args.tls_cert else None
         gw = http_gateway.Gateway(svc, keys, metrics.registry, lambda: engine.healthy, served, opts=opts)
         gw.before_metrics = vllm_metrics.refresh
+        gw.flags = server_flags(args)
         try:
             gateway_runner = await http_gateway.start(gw, args.host, args.http_port, ssl_ctx)
         except OSError as e:
@@ -178,6 +181,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--engine-timeout", type=float, default=1800.0, help="seconds to wait for the engine to start")
     add_openai_args(p)
     add_reasoning_args(p)
+    add_server_flags(p)
     args = p.parse_args(argv)
     check_addresses(addresses_from_args(args), "frontend")  # fail fast: before anything loads
     try:
