@@ -37,7 +37,7 @@ class RunResult:
     texts: list[str] | None  # each request's text; None on the ids-only path
 
 
-PEERS_VENV = Path(__file__).resolve().parents[2] / ".venv-peers"
+PEERS_VENV = Path(__file__).resolve().parents[1] / ".venv-peers"
 VLLM_WORKER = Path(__file__).with_name("vllm_peer_worker.py")
 
 

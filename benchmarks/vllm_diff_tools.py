@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.bench.vllm_diff_corpus import CHAT, CMPL, Case, g, user
+from benchmarks.vllm_diff_corpus import CHAT, CMPL, Case, g, user
 
 CITY = {"type": "object", "properties": {"name": {"type": "string"}, "country": {"type": "string"},
                                          "population": {"type": "integer"}},

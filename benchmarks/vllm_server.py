@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedserve.bench.peer_engines import PEERS_VENV, vllm_cpu_env
+from benchmarks.peer_engines import PEERS_VENV, vllm_cpu_env
 from pagedserve.bench.serve_proc import free_port
 
 

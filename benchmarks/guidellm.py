@@ -1,6 +1,6 @@
 """Running guidellm (its own venv, its own request bodies) against an OpenAI-style
 server: one `guidellm run` to a JSON report, the untimed warm-up before timed
-runs, the figures issue 23 compares, and each request's send time and TTFT. Used by `scripts/bench-guidellm-peers.py`
+runs, the figures issue 23 compares, and each request's send time and TTFT. Used by `python -m benchmarks guidellm-peers` (benchmarks/guidellm_peers.py)
 and the experiments beside it."""
 from __future__ import annotations
 

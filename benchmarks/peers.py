@@ -1,4 +1,4 @@
-"""``pagedserve bench peers``: output tokens/s of pagedserve against other
+"""``python -m benchmarks peers``: output tokens/s of pagedserve against other
 engines on the same machine, in one run, on the same seeded workload.
 
 Engines: pagedserve through its real gRPC server (``pagedserve serve`` as a
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pagedserve.bench.peer_engines import (PEERS_VENV, Engine, HFEngine, PagedserveEngine, VllmEngine, Work,
+from benchmarks.peer_engines import (PEERS_VENV, Engine, HFEngine, PagedserveEngine, VllmEngine, Work,
                                            set_paused)
 from pagedserve.bench.workloads import machine_info, sample_lengths, synthetic_prompt
 
@@ -147,7 +147,7 @@ def _summarize(times: dict[str, dict[str, list[float]]], work: dict[str, Work], 
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pagedserve bench peers", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--workload", default="sharegpt,alpaca", help="comma list of sharegpt, alpaca, long (32 requests of 1,500-2,000 prompt tokens sharing a "
                         "1,000-token system prompt, 128 output tokens: use --requests 32)")

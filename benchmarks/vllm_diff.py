@@ -1,4 +1,4 @@
-"""``pagedserve bench vllm-diff``: the same 200 requests to vLLM 0.32's CPU
+"""``python -m benchmarks vllm-diff``: the same 200 requests to vLLM 0.32's CPU
 OpenAI server (``.venv-peers``) and to ``pagedserve serve``, on the same model
 with greedy decoding, one server at a time, then compared (issue 20,
 acceptance 1).
@@ -8,7 +8,7 @@ comparison to ``OUT/diff.json``; a table of mismatches by category is printed.
 The requirements: identical token ids, identical ``tool_calls`` and
 ``finish_reason``, and the same HTTP status for the invalid requests.
 
-    python -m pagedserve bench vllm-diff [--out DIR] [--engines vllm,pagedserve] [--compare-only]
+    python -m benchmarks vllm-diff [--out DIR] [--engines vllm,pagedserve] [--compare-only]
 """
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.bench.serve_proc import start_serve
-from pagedserve.bench.vllm_diff_compare import compare, normalize
-from pagedserve.bench.vllm_diff_corpus import CHAT, STATUS, Case, basic_cases
-from pagedserve.bench.vllm_diff_invalid import invalid_cases
-from pagedserve.bench.vllm_diff_tools import structured_cases, tool_cases
-from pagedserve.bench.vllm_server import VllmServer, start_vllm_serve
+from benchmarks.vllm_diff_compare import compare, normalize
+from benchmarks.vllm_diff_corpus import CHAT, STATUS, Case, basic_cases
+from benchmarks.vllm_diff_invalid import invalid_cases
+from benchmarks.vllm_diff_tools import structured_cases, tool_cases
+from benchmarks.vllm_server import VllmServer, start_vllm_serve
 
 SERVED = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 2048
@@ -192,7 +192,7 @@ def required_failures(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pagedserve bench vllm-diff", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks vllm-diff", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "pagedserve-vllm-diff")
     p.add_argument("--engines", default="vllm,pagedserve", help="which engines to run now (comma-separated)")
     p.add_argument("--compare-only", action="store_true", help="compare the answers already in --out")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedserve.bench.vllm_diff_corpus import SAMPLED, STATUS, Case
+from benchmarks.vllm_diff_corpus import SAMPLED, STATUS, Case
 
 LOGPROB_ATOL = 0.02  # float32 on both; different kernels and summation orders
 

@@ -2,8 +2,8 @@
 the same HTTP status (the message text is theirs)."""
 from __future__ import annotations
 
-from pagedserve.bench.vllm_diff_corpus import CHAT, CMPL, STATUS, Case, g, user
-from pagedserve.bench.vllm_diff_tools import TOOLS
+from benchmarks.vllm_diff_corpus import CHAT, CMPL, STATUS, Case, g, user
+from benchmarks.vllm_diff_tools import TOOLS
 
 
 def invalid_cases() -> list[Case]:

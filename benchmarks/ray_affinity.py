@@ -1,4 +1,4 @@
-"""``pagedserve bench ray-affinity``: KV-cache-aware routing against round-robin
+"""``python -m benchmarks ray-affinity``: KV-cache-aware routing against round-robin
 on Ray Serve (issue 22, acceptance 2), in one interleaved run.
 
 A local Ray cluster of 3 nodes (``ray.cluster_utils.Cluster``, one CPU each)
@@ -15,7 +15,7 @@ replica mid-run in the KV-affinity runs (Ray restarts it; the ingress
 resumes its requests elsewhere).
 
     pip install 'pagedserve[ray]'
-    python -m pagedserve bench ray-affinity [--rounds 1] [--users 30] [--turns 4] [--kill]
+    python -m benchmarks ray-affinity [--rounds 1] [--users 30] [--turns 4] [--kill]
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def _wait_replaced(before: set[str], timeout_s: float = 300.0) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="pagedserve bench ray-affinity", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks ray-affinity", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=1, help="interleaved rounds of (round-robin, kv)")
     p.add_argument("--users", type=int, default=30)
     p.add_argument("--turns", type=int, default=4)

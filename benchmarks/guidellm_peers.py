@@ -2,7 +2,7 @@
 `vllm serve` (vLLM's CPU build from .venv-peers), one server at a time, the
 same constant rates and synthetic data for both (issue 23, acceptance 2).
 
-    .venv/bin/python scripts/bench-guidellm-peers.py --guidellm /path/to/venv/bin/guidellm
+    .venv/bin/python -m benchmarks guidellm-peers --guidellm /path/to/venv/bin/guidellm
 
 Prints, per rate, TTFT and ITL p50/p99 of each server and pagedserve / vLLM.
 
@@ -22,15 +22,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pagedserve.bench.guidellm import figures, guidellm_run, warm_up
+from benchmarks.guidellm import figures, guidellm_run, warm_up
+from benchmarks.vllm_server import start_vllm_serve
 from pagedserve.bench.serve_proc import start_serve
 from pagedserve.bench.throughput import machine
-from pagedserve.bench.vllm_server import start_vllm_serve
 from pagedserve.common.default_model import resolve_model
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks guidellm-peers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--guidellm", required=True, help="the guidellm executable (its own venv)")
     p.add_argument("--rates", default="1,2,3")
     p.add_argument("--seconds", type=float, default=40.0)
@@ -40,7 +40,7 @@ def main() -> int:
     p.add_argument("--servers", default="pagedserve,vllm", help="which to run, in this order")
     p.add_argument("--launch", default="--device cpu --dtype float32 --kv-cache-memory 1GiB")
     p.add_argument("--sessions", default="shared", help="shared, own or own,shared (see above)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     model_dir = resolve_model(None)
     rates = [float(x) for x in args.rates.split(",")]
     sessions = args.sessions.split(",")

@@ -1,4 +1,4 @@
-"""``pagedserve bench kv_fp8``: what an fp8 KV cache (``--kv-cache-dtype``) costs
+"""``python -m benchmarks kv_fp8``: what an fp8 KV cache (``--kv-cache-dtype``) costs
 in accuracy and gives in throughput, against the model's own dtype, in one run.
 
 accuracy    greedy tokens of N requests on the embedded SmolLM2 (an in-process
@@ -173,7 +173,7 @@ def throughput(kv_cache_memory: str, n: int, max_tokens: int, rounds: int, kind:
 def main(argv: list[str]) -> int:
     from pagedserve.bench.throughput import machine
 
-    p = argparse.ArgumentParser(prog="pagedserve bench kv_fp8", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks kv_fp8", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=64, help="requests of the accuracy run")
     p.add_argument("--accuracy-tokens", type=int, default=16)
