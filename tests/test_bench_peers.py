@@ -122,6 +122,32 @@ def test_serving_peer_ratios_and_missing_vllm_venv(tmp_path: Path) -> None:
         start_vllm_serve("/nonexistent", "m", 64, 4, python=tmp_path / "bin" / "python")
 
 
+def test_benchmarks_serving_compares_over_http_only() -> None:
+    """`python -m benchmarks serving` is `pagedserve bench serving` plus the vLLM step, which needs
+    the HTTP API: without --http or --launch it stops before any load is sent."""
+    from benchmarks import serving
+
+    with pytest.raises(SystemExit, match="over HTTP"):
+        serving.main(["--num-requests", "1"])
+
+
+def test_python_m_benchmarks_lists_and_runs_by_name() -> None:
+    """From the repository root, as the docs run it: the harnesses by name, helpers refused."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "benchmarks", *a], cwd=root, capture_output=True,  # noqa: E731
+                                    text=True, timeout=120)
+    listing = run("--help")
+    assert listing.returncode == 0 and "peers" in listing.stdout and "vllm-diff" in listing.stdout, listing
+    assert "peer-engines" not in listing.stdout and "vllm-server" not in listing.stdout
+    helper = run("vllm_server")
+    assert helper.returncode == 2 and "no such benchmark" in helper.stderr, helper
+    peers_help = run("peers", "--help")
+    assert peers_help.returncode == 0 and "python -m benchmarks peers" in peers_help.stdout, peers_help
+
+
 def test_chart_without_matplotlib_is_skipped_not_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     import sys
