@@ -294,3 +294,48 @@ def test_the_frontend_process_starts_without_torch(tmp_path: Path) -> None:
     heavy = _heavy_modules(_FRONTEND_PROCESS_CHILD, str(model), str(_free_port()), str(_free_port()),
                            cwd=tmp_path, env=env)
     assert not heavy, f"the frontend process imported {heavy[:10]}"
+
+
+# ---------------------------------------------------------------- the wheel and benchmarks/
+def _wheel_package_dirs() -> dict[str, Path]:
+    """Every package the wheel ships, as pyproject.toml maps it to a folder."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = tool.get("package-dir", {})
+    out = {}
+    for pkg in tool["packages"]:
+        parent = pkg  # a package not named in package-dir sits under its parent's folder
+        while parent not in dirs and "." in parent:
+            parent = parent.rpartition(".")[0]
+        base = ROOT / dirs.get(parent, parent.replace(".", "/"))
+        out[pkg] = base.joinpath(*pkg[len(parent):].strip(".").split(".")) if pkg != parent else base
+    return out
+
+
+def _imports_benchmarks(source: str) -> list[int]:
+    """Lines that import the top-level ``benchmarks`` package (at any depth, late ones too)."""
+    lines = []
+    for node, _late in _walk(ast.parse(source).body, False):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            ([node.module or ""] if node.level == 0 else [])
+        if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_engine_does_not_import_benchmarks() -> None:
+    """benchmarks/ (peer harnesses, vLLM diffs, guidellm, experiments) imports the engine, never
+    the other way: it is not in the wheel (tests/test_wheel.py)."""
+    assert _imports_benchmarks("import benchmarks.peers\ndef f():\n    from benchmarks import serving\n") == [1, 3]
+    assert _imports_benchmarks("from . import benchmarks\nimport benchmarksx\n") == []
+    dirs = _wheel_package_dirs()
+    assert "benchmarks" not in dirs and not any(p.startswith("benchmarks") for p in dirs)
+    assert {"pagedserve", "pagedserve.bench", "pagedserve.frontend", "pagedserve.common"} <= set(dirs)
+    bad, seen = [], 0
+    for pkg, folder in dirs.items():
+        for path in sorted(folder.glob("*.py")):  # this package's own modules; subpackages are listed too
+            seen += 1
+            bad += [f"{path.relative_to(ROOT)}:{n}" for n in _imports_benchmarks(path.read_text())]
+    assert seen > 100, seen
+    assert not bad, "the engine imports benchmarks/:\n" + "\n".join(bad)

@@ -1,6 +1,6 @@
 """Issue 22, acceptance 2: pagedserve replicas on Ray Serve, routed by where
 the KV cache is. Opt-in (PAGEDSERVE_RAY_TESTS=1; about 3 minutes): it runs
-`bench ray-affinity` in the Ray venv (scripts/setup-ray.sh, or an
+`python -m benchmarks ray-affinity` in the Ray venv (scripts/setup-ray.sh, or an
 interpreter with ray installed): 3 replicas of the SIMULATED worker in real
 time on a 3-node local Ray cluster, 30 users with growing conversations, the
 KV-affinity router against round-robin, then a replica killed mid-run."""
@@ -31,7 +31,7 @@ def _python() -> str:
 
 def test_kv_affinity_beats_round_robin_and_a_killed_replica_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "ray.json"
-    r = subprocess.run([_python(), "-m", "pagedserve", "bench", "ray-affinity", "--users", "30", "--turns", "4",
+    r = subprocess.run([_python(), "-m", "benchmarks", "ray-affinity", "--users", "30", "--turns", "4",
                         "--kill", "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=1800,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""What `bench vllm-diff` found pagedserve answering differently from vLLM 0.32,
+"""What `python -m benchmarks vllm-diff` found pagedserve answering differently from vLLM 0.32,
 each now as vLLM answers, over the real processes on a tiny random model with
 transformers' greedy decoding as the reference:
 
