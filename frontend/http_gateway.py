@@ -319,7 +319,8 @@ class Gateway:
 
         choice = self._chat_choice(as_id) if tool_mode is None else \
             openai_tools.choice_formatter(tool_mode, logprobs, x.return_token_ids)
-        choice = reasoning_chat.choice(self.opts, tok, tool_mode, x, stream.req.prompt_ids, body, sp, logprobs, choice)
+        choice = reasoning_chat.choice(self.opts, tok, tool_mode, x, stream.req.prompt_ids, body,
+                                       "structured_outputs" in values, logprobs, choice)
         try:
             if x.stream:
                 return await chat_stream(request, stream, ctx, choice, http_batch.engine_error_event)

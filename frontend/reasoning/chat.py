@@ -132,13 +132,13 @@ def extras(opts: Any, x: Any) -> Any:
     return x
 
 
-def choice(opts: Any, tok: Any, tool_mode: Any, x: Any, prompt_ids: Sequence[int], body: dict[str, Any], sp: Any,
-           logprobs: Callable[..., Any], fallback: Build) -> Build:
+def choice(opts: Any, tok: Any, tool_mode: Any, x: Any, prompt_ids: Sequence[int], body: dict[str, Any],
+           structured: bool, logprobs: Callable[..., Any], fallback: Build) -> Build:
     """The gateway's chat choice builder: ``fallback`` unless a reasoning (or harmony) parser reads the answer."""
     if not applies(opts.reasoning_parser, opts.tool_call_parser):
         return fallback
     if tool_mode is None:
-        if sp.HasField("structured_outputs"):
+        if structured:  # a grammar from the first token: no room to think (docs/api.md)
             return fallback
         tool_parser = None
     elif tool_mode.parser is not None and tool_mode.choice == "auto":
