@@ -22,18 +22,18 @@ from pagedserve.common.config import (EXIT_PORT_IN_USE, RUN_HEALTH_PREFIX, add_a
                                        shutdown_timeout_default)
 from pagedserve.common.default_model import resolve_model
 from pagedserve.common.metrics import FrontendMetrics, add_metrics_arg, serve_metrics
-from pagedserve.frontend import http_gateway, reasoning
-from pagedserve.frontend.auth import load_keys
-from pagedserve.frontend.engine_client import EngineClient
-from pagedserve.frontend.generation import FrontendConfig, GenerationService
-from pagedserve.frontend.openai_args import add_openai_args, build_options, check_openai_args
-from pagedserve.frontend.reasoning.args import ALIASES, add_reasoning_args
-from pagedserve.frontend.server import SERVICE_NAME, health_status, serve, server_credentials
-from pagedserve.frontend.server_flags import add_server_flags, server_flags
-from pagedserve.frontend.shutdown import StopSignals, drain
-from pagedserve.frontend.stats_log import log_stats_every
-from pagedserve.frontend.tokenizer import load as load_tokenizer
-from pagedserve.frontend.vllm_metrics import add_vllm_metrics
+from pagedserve.frontend.openai_api import http_gateway, reasoning
+from pagedserve.frontend.core.auth import load_keys
+from pagedserve.frontend.core.engine_client import EngineClient
+from pagedserve.frontend.core.generation import FrontendConfig, GenerationService
+from pagedserve.frontend.openai_api.openai_args import add_openai_args, build_options, check_openai_args
+from pagedserve.frontend.openai_api.reasoning.args import ALIASES, add_reasoning_args
+from pagedserve.frontend.grpc_api.server import SERVICE_NAME, health_status, serve, server_credentials
+from pagedserve.frontend.openai_api.server_flags import add_server_flags, server_flags
+from pagedserve.frontend.core.shutdown import StopSignals, drain
+from pagedserve.frontend.core.stats_log import log_stats_every
+from pagedserve.frontend.core.tokenizer import load as load_tokenizer
+from pagedserve.frontend.core.vllm_metrics import add_vllm_metrics
 
 log = logging.getLogger("pagedserve.frontend")
 _AIOHTTP_LEVELS = {"trace": logging.DEBUG}  # uvicorn's names otherwise map onto logging's

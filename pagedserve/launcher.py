@@ -25,7 +25,7 @@ from pagedserve.common.env import env as read_env
 from pagedserve.common.hub_cache import ModelNotFound
 from pagedserve.common.lifecycle import StopFlag, die_with_parent
 from pagedserve.common.model_check import engine_refusal
-from pagedserve.frontend.server_flags import server_flags_argv
+from pagedserve.frontend.openai_api.server_flags import server_flags_argv
 from pagedserve.serve_args import ServeArgs, parse_serve_args
 
 COMPONENTS = ("blockmgr", "gpuworker", "scheduler", "frontend")

@@ -3,7 +3,7 @@ the model positionally or with ``--model`` (a folder or a hub id from the
 local cache), ``--host``/``--port`` for the OpenAI HTTP API (default
 127.0.0.1:8000), ``--grpc-port`` for gRPC (50051), ``--api-key``,
 ``--served-model-name``, plus every engine flag and vLLM's OpenAI server flags
-(frontend/openai_args.py, frontend/server_flags.py). Each flag's help states its
+(frontend/openai_api/openai_args.py, frontend/openai_api/server_flags.py). Each flag's help states its
 default and environment variable. Every other flag of vLLM 0.32's parser is
 accepted with one log line saying it has no effect here, or refused
 (pagedserve/vllm_flags.py); the command line is read as vLLM reads it
@@ -25,10 +25,10 @@ from pagedserve.common.device import resolve_device
 from pagedserve.common.default_model import is_gguf, served_name
 from pagedserve.common.hub_cache import is_hub_id
 from pagedserve.common.version import version
-from pagedserve.frontend.openai_args import add_openai_args, check_openai_args, openai_argv
-from pagedserve.frontend.reasoning.args import add_reasoning_args, reasoning_argv
-from pagedserve.frontend.server_flags import add_server_flags
-from pagedserve.frontend.tool_parsers import PARSERS
+from pagedserve.frontend.openai_api.openai_args import add_openai_args, check_openai_args, openai_argv
+from pagedserve.frontend.openai_api.reasoning.args import add_reasoning_args, reasoning_argv
+from pagedserve.frontend.openai_api.server_flags import add_server_flags
+from pagedserve.frontend.openai_api.tool_parsers import PARSERS
 from pagedserve.vllm_argv import ArgvError, human_readable_int, model_len, normalize
 from pagedserve.vllm_flags import VLLM_TOOL_CALL_PARSERS, add_vllm_flags, answer_vllm_flags
 
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssl-keyfile", default=env("TLS_KEY"), help=helptext("PEM private key of --ssl-certfile",
                                                                           "TLS_KEY"))
     add_openai_args(p)
-    add_reasoning_args(p)  # --reasoning-parser (frontend/reasoning)
+    add_reasoning_args(p)  # --reasoning-parser (frontend/openai_api/reasoning)
     add_server_flags(p)
     p.add_argument("--config", metavar="FILE.yaml",
                    help="vLLM's config file: a YAML mapping of flag names (without dashes) to values; the "
@@ -169,7 +169,7 @@ class ServeArgs:
     api_key_file: str | None
     start_timeout: float
     revision: str = "main"
-    openai: argparse.Namespace | None = None  # the OpenAI server's flags (frontend/openai_args.py)
+    openai: argparse.Namespace | None = None  # the OpenAI server's flags (frontend/openai_api/openai_args.py)
     frontend_flags: tuple[str, ...] = ()  # those flags again, for the frontend's command line
     tls_cert: str | None = None
     tls_key: str | None = None

@@ -27,7 +27,7 @@ class Intake:
 
     def add(self, req: AddRequest, pool: PoolSize) -> None:
         requests = self._requests
-        # A resumed sample of a parallel-sampling request is sent as "ID/INDEX" (frontend/resume.py;
+        # A resumed sample of a parallel-sampling request is sent as "ID/INDEX" (frontend/core/resume.py;
         # "/" is never in a frontend request id): the original group reached this scheduler too.
         if req.resume and "/" in req.request_id and req.request_id.rpartition("/")[0] in requests.groups:
             return

@@ -146,6 +146,19 @@ def test_no_component_imports_another_or_the_cli_layer() -> None:
     assert not bad, "imports across component boundaries:\n" + "\n".join(bad)
 
 
+def test_frontend_core_imports_no_protocol_layer() -> None:
+    """The frontend's core serves both APIs: it never imports the OpenAI layer, and of the gRPC
+    layer only its request decoding (the core's request type is gRPC's message)."""
+    allowed = {"pagedserve.frontend.grpc_api.grpc_decode"}
+    bad = [f"{MODULES[i.source].relative_to(ROOT)}:{i.line} imports {i.target}" for i in IMPORTS
+           if i.source.startswith("pagedserve.frontend.core")
+           and i.target.startswith(("pagedserve.frontend.openai_api", "pagedserve.frontend.grpc_api"))
+           and i.target not in allowed]
+    assert not bad, "the frontend's core imports a protocol layer:\n" + "\n".join(bad)
+    assert any(i.source.startswith("pagedserve.frontend.openai_api") and i.target.startswith(
+        "pagedserve.frontend.core") for i in IMPORTS), "the walk sees no import of the core at all"
+
+
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module."""
     return sorted(sorted(c) for c in strongly_connected(edges) if len(c) > 1)
@@ -170,10 +183,10 @@ def test_no_circular_import() -> None:
     assert not cycles, "circular imports:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
-# Late loops still there, each as its sorted modules: frontend/structured.py imports
+# Late loops still there, each as its sorted modules: frontend/core/structured.py imports
 # validation.ValidationError, while validation.sampling_params imports structured inside the
 # function. Breaking it takes ValidationError into a module both import (structured.py's change).
-KNOWN_LATE_CYCLES: set[tuple[str, ...]] = {("pagedserve.frontend.structured", "pagedserve.frontend.validation")}
+KNOWN_LATE_CYCLES: set[tuple[str, ...]] = {("pagedserve.frontend.core.structured", "pagedserve.frontend.core.validation")}
 
 
 def test_no_circular_import_even_through_late_imports() -> None:
@@ -211,16 +224,16 @@ _FRONTEND_MODULES_CHILD = r"""
 import pkgutil, sys
 
 import pagedserve.frontend
-from pagedserve.frontend import service  # the component's entry point, as `pagedserve frontend`
-for m in pkgutil.iter_modules(pagedserve.frontend.__path__, "pagedserve.frontend."):
+from pagedserve.frontend import service
+for m in pkgutil.walk_packages(pagedserve.frontend.__path__, "pagedserve.frontend."):
     __import__(m.name)
 from pagedserve.common.config import default_addresses
 from pagedserve.common.metrics import FrontendMetrics
-from pagedserve.frontend import http_gateway, openai_structured
-from pagedserve.frontend.auth import ApiKeys
-from pagedserve.frontend.engine_client import EngineClient
-from pagedserve.frontend.generation import FrontendConfig, GenerationService
-from pagedserve.frontend.server import GenerationServicer
+from pagedserve.frontend.openai_api import http_gateway, openai_structured
+from pagedserve.frontend.core.auth import ApiKeys
+from pagedserve.frontend.core.engine_client import EngineClient
+from pagedserve.frontend.core.generation import FrontendConfig, GenerationService
+from pagedserve.frontend.grpc_api.server import GenerationServicer
 from pagedserve.v1 import generation_pb2 as pb
 
 # The app objects start-up builds (no tokenizer: loading one is transformers', see below).
@@ -244,7 +257,7 @@ def test_the_frontend_package_does_not_import_torch(tmp_path: Path) -> None:
 
 
 def test_validating_a_structured_output_spec_does_not_import_torch(tmp_path: Path) -> None:
-    """xgrammar's parse runs in the frontend's grammar-check child (frontend/grammar_check.py)."""
+    """xgrammar's parse runs in the frontend's grammar-check child (frontend/core/grammar_check.py)."""
     heavy = _heavy_modules(_FRONTEND_MODULES_CHILD, str(tmp_path / "run"), "structured", cwd=tmp_path)
     assert not heavy, f"validating a JSON schema in the frontend imported {heavy[:10]}"
 

@@ -11,7 +11,7 @@ import pytest
 from pagedserve.common.request_fields import MAX_SEED, MIN_POSITIVE, TABLE
 from pagedserve.common.messages.frontend import AddRequest
 from pagedserve.common.messages.types import ModelInfo
-from pagedserve.frontend.validation import Limits, ValidationError, sampling_params
+from pagedserve.frontend.core.validation import Limits, ValidationError, sampling_params
 from pagedserve.scheduler.admission import check_add
 from pagedserve.v1 import generation_pb2 as pb
 

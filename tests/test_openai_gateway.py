@@ -15,7 +15,7 @@ import pytest
 
 from e2e_util import Server, free_port, serve
 from models import make_tiny_model
-from pagedserve.frontend.chat_template import render_chat
+from pagedserve.frontend.core.chat_template import render_chat
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "You are terse."},

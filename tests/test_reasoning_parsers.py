@@ -1,4 +1,4 @@
-"""Reasoning parsers (frontend/reasoning): hard-coded answers, and with the
+"""Reasoning parsers (frontend/openai_api/reasoning): hard-coded answers, and with the
 peer venv (vLLM 0.32) a differential test: the same texts through vLLM's
 parsers of the same name (with the tool parser after them), whole and
 streamed in chunks of every size from 1 to 8 characters, give the same
@@ -21,10 +21,10 @@ import pytest
 
 from e2e_util import serve
 from models import make_tiny_model
-from pagedserve.frontend.outputs import Chunk
-from pagedserve.frontend.reasoning import check
-from pagedserve.frontend.reasoning.chat import formatter
-from pagedserve.frontend.reasoning.harmony import SPECIALS as HARMONY_SPECIALS
+from pagedserve.frontend.core.outputs import Chunk
+from pagedserve.frontend.openai_api.reasoning import check
+from pagedserve.frontend.openai_api.reasoning.chat import formatter
+from pagedserve.frontend.openai_api.reasoning.harmony import SPECIALS as HARMONY_SPECIALS
 
 PEER_PY = Path(__file__).resolve().parents[1] / ".venv-peers" / "bin" / "python"
 PEER_STAMP = PEER_PY.parents[1] / ".peers-stamp"

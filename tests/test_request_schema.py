@@ -39,12 +39,12 @@ from pagedserve.common import request_fields as rf
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages.types import SamplingParams
 from pagedserve.common.metrics import FrontendMetrics
-from pagedserve.frontend import http_fields, http_gateway
-from pagedserve.frontend.auth import ApiKeys
-from pagedserve.frontend.engine_client import EngineClient
-from pagedserve.frontend.generation import FrontendConfig, GenerationService
-from pagedserve.frontend.server import serve as serve_grpc
-from pagedserve.frontend.validation import Limits, sampling_params, validate
+from pagedserve.frontend.openai_api import http_fields, http_gateway
+from pagedserve.frontend.core.auth import ApiKeys
+from pagedserve.frontend.core.engine_client import EngineClient
+from pagedserve.frontend.core.generation import FrontendConfig, GenerationService
+from pagedserve.frontend.grpc_api.server import serve as serve_grpc
+from pagedserve.frontend.core.validation import Limits, sampling_params, validate
 from pagedserve.scheduler.admission import check_add
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc

@@ -1,4 +1,4 @@
-"""Tool-call parsers (frontend/tool_parsers): a corpus of model texts per parser,
+"""Tool-call parsers (frontend/openai_api/tool_parsers): a corpus of model texts per parser,
 whole and streamed in random chunkings; hard-coded answers; and, with the peer
 venv (vLLM 0.32), the same corpus through vLLM's own parsers of the same name:
 identical content, calls and streamed deltas (ids aside)."""
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from pagedserve.frontend.tool_parsers import PARSERS, check
-from pagedserve.frontend.tool_parsers.base import ToolParser
+from pagedserve.frontend.openai_api.tool_parsers import PARSERS, check
+from pagedserve.frontend.openai_api.tool_parsers.base import ToolParser
 
 PEER_PY = Path(__file__).resolve().parents[1] / ".venv-peers" / "bin" / "python"
 PEER_STAMP = PEER_PY.parents[1] / ".peers-stamp"

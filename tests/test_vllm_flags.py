@@ -26,8 +26,8 @@ import pytest
 
 from e2e_util import serve
 from models import ARCHS, make_tiny_model
-from pagedserve.frontend.server_flags import ServerFlags, detect_content_format, with_content_format
-from pagedserve.frontend.tool_parsers import PARSERS
+from pagedserve.frontend.openai_api.server_flags import ServerFlags, detect_content_format, with_content_format
+from pagedserve.frontend.openai_api.tool_parsers import PARSERS
 from pagedserve.serve_args import build_parser, parse_serve_args
 from pagedserve.vllm_flags import FLAGS, VLLM_TOOL_CALL_PARSERS, markdown_table
 
@@ -290,7 +290,7 @@ def test_docs_table_is_the_parsers() -> None:
 ENGINE = ("common", "frontend", "scheduler", "blockmgr", "gpuworker", "kernels", "pagedserve")
 _READS = re.compile(r'(?:\benv|env_int|env_flag|read_env)\(\s*"([A-Z_]+)"|env_name="([A-Z_]+)"|"PAGEDSERVE_([A-Z_]+)"'
                     r'|\b[A-Z_]*ENV = "([A-Z_]+)"')
-# Names built at run time: frontend/http_conn.py's HTTP_<limit>, common/metrics.py's <COMPONENT>_METRICS_PORT.
+# Names built at run time: frontend/openai_api/http_conn.py's HTTP_<limit>, common/metrics.py's <COMPONENT>_METRICS_PORT.
 FAMILIES = {"HTTP_HEADER_TIMEOUT", "HTTP_BODY_TIMEOUT", "HTTP_MAX_CONNECTIONS", "FRONTEND_METRICS_PORT",
             "SCHEDULER_METRICS_PORT", "BLOCKMGR_METRICS_PORT", "GPUWORKER_METRICS_PORT"}
 

@@ -23,7 +23,7 @@ from pagedserve.blockmgr.kv_events import AllBlocksCleared, BlockStored, KVEvent
 from pagedserve.client import AsyncGenerationClient
 
 _PR_SET_PDEATHSIG = 1
-# The engine's refusals as HTTP statuses (frontend/error_table.py's, for the codes a request can cause)
+# The engine's refusals as HTTP statuses (frontend/core/error_table.py's, for the codes a request can cause)
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
                 grpc.StatusCode.UNAUTHENTICATED: 401}
 START_TIMEOUT_S = 600.0
