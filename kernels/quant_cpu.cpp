@@ -1,0 +1,382 @@
+// Products by GGUF quantized weights (kernels/quant.py), as llama.cpp computes
+// them on CPU: the activations are quantized per 32 to int8 (one float scale per
+// 32, and the sums of each 16), and each 32 weights of a row meet them in int8
+// dot products (AVX512-VNNI vpdpbusd: unsigned weight bytes times signed
+// activation bytes, four products into each int32 lane), then one float scale
+// per block. Every type is written as w = a * q + b with q unsigned:
+//   Q8_0 q = w + 128 (stored flipped), a = d, b = -128 d;  Q4_0 a = d, b = -8 d;
+//   Q4_1 a = d, b = m;  Q4_K a = d sc, b = -dmin m (per 32);  Q6_K a = d sc, b = -32 a (per 16),
+// so a block's sum is dx (a . sum(q qx) + b . sum(qx)).
+//
+// The weight is repacked once (at load) into groups of 16 output rows, so one
+// 64-byte vector holds 4 consecutive weights of 16 rows: the int32 lanes of a
+// product are the 16 outputs, and no sum is reduced across lanes. The bytes are
+// the file's (nibbles stay nibbles, scales stay fp16), only reordered; Q4_K
+// spends 4 bytes more per 256 weights (its 6-bit scales unpacked to bytes).
+// Per group and unit (32 weights; 256 for the K types):
+//   Q8_0  q[8 quads][16 rows][4] u8 ^ 0x80, d[16] f16                      544 B
+//   Q4_0  n[4][16][4] (low nibble: quad j, high: quad j + 4), d[16] f16    288 B
+//   Q4_1  n as Q4_0, d[16], m[16] f16                                      320 B
+//   Q4_K  d[16], dmin[16] f16, sc[8][16], mn[8][16] u8, 8 x n (256 B)     2368 B
+//   Q6_K  d[16] f16, sc[16][16] i8, 8 x (n 256 B, h[2][16][4] 128 B)     3360 B
+// where h[i] holds the top 2 bits of quads 4i .. 4i + 3, quad 4i + t at bits 2t.
+#include <omp.h>
+
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace {
+
+using namespace pagedserve_cpu;
+
+constexpr int Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14;  // ggml's type numbers
+constexpr int G = 16;                                             // rows per group
+
+int unit_weights(int qt) { return qt == Q4_K || qt == Q6_K ? 256 : 32; }
+int64_t unit_bytes(int qt) {
+  switch (qt) {
+    case Q8_0: return 544;
+    case Q4_0: return 288;
+    case Q4_1: return 320;
+    case Q4_K: return 2368;
+    case Q6_K: return 3360;
+    default: return 0;
+  }
+}
+int64_t file_block_bytes(int qt) {
+  switch (qt) {
+    case Q8_0: return 34;
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q4_K: return 144;
+    case Q6_K: return 210;
+    default: return 0;
+  }
+}
+
+// ---------------------------------------------------------------- repacking
+// Nibble vectors of 32 unsigned 4-bit values q[0..31] of row r into n (one group's 256 bytes).
+inline void put_nibbles(uint8_t* n, int r, const uint8_t* q) {
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < 4; ++t) n[j * 64 + r * 4 + t] = static_cast<uint8_t>(q[4 * j + t] | (q[16 + 4 * j + t] << 4));
+}
+
+// One file block (or superblock) of row r into the group's unit at u.
+void pack_block(int qt, const uint8_t* src, uint8_t* u, int r) {
+  uint8_t q[32];
+  switch (qt) {
+    case Q8_0:
+      for (int k = 0; k < 32; ++k) u[(k / 4) * 64 + r * 4 + k % 4] = src[2 + k] ^ 0x80u;
+      std::memcpy(u + 512 + 2 * r, src, 2);
+      break;
+    case Q4_0:
+    case Q4_1:
+      for (int k = 0; k < 16; ++k) q[k] = src[(qt == Q4_1 ? 4 : 2) + k] & 0x0F, q[16 + k] = src[(qt == Q4_1 ? 4 : 2) + k] >> 4;
+      put_nibbles(u, r, q);
+      std::memcpy(u + 256 + 2 * r, src, 2);
+      if (qt == Q4_1) std::memcpy(u + 288 + 2 * r, src + 2, 2);
+      break;
+    case Q4_K: {
+      std::memcpy(u + 2 * r, src, 2);
+      std::memcpy(u + 32 + 2 * r, src + 2, 2);
+      const uint8_t* s = src + 4;  // ggml's get_scale_min_k4
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        const uint8_t mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        u[64 + j * G + r] = sc;
+        u[192 + j * G + r] = mn;
+        const uint8_t* qs = src + 16 + (j / 2) * 32;
+        for (int l = 0; l < 32; ++l) q[l] = j % 2 ? qs[l] >> 4 : qs[l] & 0x0F;
+        put_nibbles(u + 320 + j * 256, r, q);
+      }
+      break;
+    }
+    case Q6_K: {
+      std::memcpy(u + 2 * r, src + 208, 2);
+      for (int j = 0; j < 16; ++j) u[32 + j * G + r] = src[192 + j];
+      for (int s = 0; s < 8; ++s) {  // ggml's group s = 4 h + i of 32 weights
+        const int h = s / 4, i = s % 4;
+        uint8_t* sub = u + 288 + s * 384;
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t lo = (src[h * 64 + (i % 2) * 32 + l] >> (4 * (i / 2))) & 0x0F;
+          q[l] = static_cast<uint8_t>(lo | (((src[128 + h * 32 + l] >> (2 * i)) & 3) << 4));
+        }
+        uint8_t lo4[32];
+        for (int l = 0; l < 32; ++l) lo4[l] = q[l] & 0x0F;
+        put_nibbles(sub, r, lo4);
+        for (int quad = 0; quad < 8; ++quad)
+          for (int t = 0; t < 4; ++t) {
+            uint8_t& b = sub[256 + (quad / 4) * 64 + r * 4 + t];
+            b = static_cast<uint8_t>(b | ((q[4 * quad + t] >> 4) << (2 * (quad % 4))));
+          }
+      }
+      break;
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool HAVE_VNNI = true;
+constexpr int MT = 4, P = 2;  // rows of x and groups per tile
+
+// The activations, quantized: q [M][K] int8; d [M][K/32] scale; s [M][K/16] d * sum(q) per 16.
+struct Act {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t K;
+};
+
+inline __m512i bcast(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+inline __m512 f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 i8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// 8 quads from 4 nibble vectors.
+inline void nibbles(const uint8_t* n, __m512i (&w)[8]) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(n + 64 * j);
+    w[j] = _mm512_and_si512(v, m4);
+    w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+  }
+}
+
+// The 32 weights at xq's block (quads w[p]) into acc: a, b per group (a1, b1 for the second 16 when HALVES).
+template <int MM, int PP, bool HALVES>
+inline void dot32(const __m512i (&w)[P][8], const __m512 (&a)[P][2], const __m512 (&b)[P][2], const Act& x,
+                  int64_t m0, int64_t blk, __m512 (&acc)[MT][P]) {
+  const int64_t KB = x.K / 32;
+  for (int m = 0; m < MM; ++m) {
+    const int8_t* xp = x.q + (m0 + m) * x.K + blk * 32;
+    const __m512 dx = _mm512_set1_ps(x.d[(m0 + m) * KB + blk]);
+    const float* s = x.s + (m0 + m) * 2 * KB + 2 * blk;
+    for (int p = 0; p < PP; ++p) {
+      if constexpr (HALVES) {
+        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j) i0 = _mm512_dpbusd_epi32(i0, w[p][j], bcast(xp + 4 * j));
+        for (int j = 4; j < 8; ++j) i1 = _mm512_dpbusd_epi32(i1, w[p][j], bcast(xp + 4 * j));
+        acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(a[p][0], dx), acc[m][p]);
+        acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(a[p][1], dx), acc[m][p]);
+        acc[m][p] = _mm512_fmadd_ps(b[p][0], _mm512_set1_ps(s[0]), acc[m][p]);
+        acc[m][p] = _mm512_fmadd_ps(b[p][1], _mm512_set1_ps(s[1]), acc[m][p]);
+      } else {
+        __m512i i0 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j) i0 = _mm512_dpbusd_epi32(i0, w[p][j], bcast(xp + 4 * j));
+        acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(a[p][0], dx), acc[m][p]);
+        acc[m][p] = _mm512_fmadd_ps(b[p][0], _mm512_set1_ps(s[0] + s[1]), acc[m][p]);
+      }
+    }
+  }
+}
+
+// MM rows from m0 against PP groups whose units start at wg (group p at wg + p * gstride).
+template <int QT, int MM, int PP>
+inline void tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, __m512 (&acc)[MT][P]) {
+  const int64_t units = x.K / unit_weights(QT), ub = unit_bytes(QT);
+  __m512i w[P][8];
+  __m512 a[P][2], b[P][2];
+  for (int64_t un = 0; un < units; ++un) {
+    if constexpr (QT == Q8_0 || QT == Q4_0 || QT == Q4_1) {
+      for (int p = 0; p < PP; ++p) {
+        const uint8_t* u = wg + p * gstride + un * ub;
+        __builtin_prefetch(u + 4096, 0, 2);
+        if constexpr (QT == Q8_0) {
+          for (int j = 0; j < 8; ++j) w[p][j] = _mm512_loadu_si512(u + 64 * j);
+          a[p][0] = f16x16(u + 512);
+          b[p][0] = _mm512_mul_ps(a[p][0], _mm512_set1_ps(-128.0f));
+        } else {
+          nibbles(u, w[p]);
+          a[p][0] = f16x16(u + 256);
+          b[p][0] = QT == Q4_1 ? f16x16(u + 288) : _mm512_mul_ps(a[p][0], _mm512_set1_ps(-8.0f));
+        }
+      }
+      dot32<MM, PP, false>(w, a, b, x, m0, un, acc);
+    } else {
+      __m512 d[P], dm[P];
+      for (int p = 0; p < PP; ++p) {
+        const uint8_t* u = wg + p * gstride + un * ub;
+        d[p] = f16x16(u);
+        if constexpr (QT == Q4_K) dm[p] = f16x16(u + 32);
+      }
+      for (int s = 0; s < 8; ++s) {
+        for (int p = 0; p < PP; ++p) {
+          const uint8_t* u = wg + p * gstride + un * ub;
+          if constexpr (QT == Q4_K) {
+            const uint8_t* n = u + 320 + s * 256;
+            __builtin_prefetch(n + 4096, 0, 2);
+            nibbles(n, w[p]);
+            a[p][0] = _mm512_mul_ps(d[p], u8x16(u + 64 + s * G));
+            b[p][0] = _mm512_mul_ps(dm[p], _mm512_sub_ps(_mm512_setzero_ps(), u8x16(u + 192 + s * G)));
+          } else {
+            const uint8_t* n = u + 288 + s * 384;
+            __builtin_prefetch(n + 4096, 0, 2);
+            __builtin_prefetch(n + 4096 + 256, 0, 2);
+            nibbles(n, w[p]);
+            const __m512i m2 = _mm512_set1_epi8(0x30);
+            const __m512i h0 = _mm512_loadu_si512(n + 256), h1 = _mm512_loadu_si512(n + 320);
+            const __m512i hb[4][2] = {{_mm512_slli_epi16(h0, 4), _mm512_slli_epi16(h1, 4)},
+                                      {_mm512_slli_epi16(h0, 2), _mm512_slli_epi16(h1, 2)},
+                                      {h0, h1},
+                                      {_mm512_srli_epi16(h0, 2), _mm512_srli_epi16(h1, 2)}};
+            for (int t = 0; t < 4; ++t) {
+              w[p][t] = _mm512_or_si512(w[p][t], _mm512_and_si512(hb[t][0], m2));
+              w[p][t + 4] = _mm512_or_si512(w[p][t + 4], _mm512_and_si512(hb[t][1], m2));
+            }
+            a[p][0] = _mm512_mul_ps(d[p], i8x16(u + 32 + (2 * s) * G));
+            a[p][1] = _mm512_mul_ps(d[p], i8x16(u + 32 + (2 * s + 1) * G));
+            b[p][0] = _mm512_mul_ps(a[p][0], _mm512_set1_ps(-32.0f));
+            b[p][1] = _mm512_mul_ps(a[p][1], _mm512_set1_ps(-32.0f));
+          }
+        }
+        dot32<MM, PP, QT == Q6_K>(w, a, b, x, m0, un * 8 + s, acc);
+      }
+    }
+  }
+}
+
+template <int QT, int MM, int PP, typename T>
+inline void run_tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, int64_t n0, int64_t N,
+                     const T* bias, T* y) {
+  __m512 acc[MT][P];
+  for (int m = 0; m < MM; ++m)
+    for (int p = 0; p < PP; ++p) acc[m][p] = _mm512_setzero_ps();
+  tile<QT, MM, PP>(wg, gstride, x, m0, acc);
+  for (int p = 0; p < PP; ++p) {
+    const int64_t c0 = n0 + p * G, cols = std::min<int64_t>(G, N - c0);
+    alignas(64) float out[G];
+    for (int m = 0; m < MM; ++m) {
+      _mm512_store_ps(out, acc[m][p]);
+      for (int j = 0; j < cols; ++j) store(y + (m0 + m) * N + c0 + j, out[j] + (bias ? load(bias + c0 + j) : 0.0f));
+    }
+  }
+}
+
+template <int QT, int PP, typename T>
+inline void groups_rows(const uint8_t* wg, int64_t gstride, const Act& x, int64_t M, int64_t n0, int64_t N,
+                        const T* bias, T* y) {
+  int64_t m0 = 0;
+  for (; m0 + MT <= M; m0 += MT) run_tile<QT, MT, PP>(wg, gstride, x, m0, n0, N, bias, y);
+  switch (M - m0) {
+    case 1: run_tile<QT, 1, PP>(wg, gstride, x, m0, n0, N, bias, y); break;
+    case 2: run_tile<QT, 2, PP>(wg, gstride, x, m0, n0, N, bias, y); break;
+    case 3: run_tile<QT, 3, PP>(wg, gstride, x, m0, n0, N, bias, y); break;
+    default: break;
+  }
+}
+static_assert(MT == 4, "groups_rows unrolls remainders of up to 3 rows");
+
+template <int QT, typename T>
+void linear(const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M, int64_t N) {
+  const int64_t groups = (N + G - 1) / G, pairs = groups / P, gstride = x.K / unit_weights(QT) * unit_bytes(QT);
+#pragma omp parallel
+  {
+    FlushDenormals ftz;
+#pragma omp for schedule(static)  // each thread streams one contiguous part of the groups
+    for (int64_t i = 0; i < pairs; ++i)
+      groups_rows<QT, P>(packed + i * P * gstride, gstride, x, M, i * P * G, N, bias, y);
+#pragma omp for schedule(static)
+    for (int64_t g = pairs * P; g < groups; ++g) groups_rows<QT, 1>(packed + g * gstride, gstride, x, M, g * G, N, bias, y);
+  }
+}
+
+template <typename T>
+void dispatch(int qt, const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M, int64_t N) {
+  switch (qt) {
+    case Q8_0: linear<Q8_0>(x, packed, bias, y, M, N); break;
+    case Q4_0: linear<Q4_0>(x, packed, bias, y, M, N); break;
+    case Q4_1: linear<Q4_1>(x, packed, bias, y, M, N); break;
+    case Q4_K: linear<Q4_K>(x, packed, bias, y, M, N); break;
+    case Q6_K: linear<Q6_K>(x, packed, bias, y, M, N); break;
+  }
+}
+#else
+constexpr bool HAVE_VNNI = false;
+#endif
+
+// x [M][K] -> q int8 (per 32: round(x / d), d = max|x| / 127), d [M][K/32], s [M][K/16] = d * sum(q) per 16.
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < M * (K / 32); ++i) {
+    const T* xb = x + i * 32;
+    float v[32], amax = 0.0f;
+    for (int k = 0; k < 32; ++k) v[k] = load(xb + k), amax = std::max(amax, std::fabs(v[k]));
+    const float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int sum[2] = {0, 0};
+    for (int k = 0; k < 32; ++k) {
+      const int qi = static_cast<int>(std::nearbyint(v[k] * id));
+      q[i * 32 + k] = static_cast<int8_t>(qi);
+      sum[k / 16] += qi;
+    }
+    d[i] = dd;
+    s[2 * i] = dd * static_cast<float>(sum[0]);
+    s[2 * i + 1] = dd * static_cast<float>(sum[1]);
+  }
+}
+
+// Bytes of the packed form of an [N, K] weight of type qt (0: unknown type or K not whole units).
+int64_t packed_bytes(int qt, int64_t N, int64_t K) {
+  if (unit_bytes(qt) == 0 || N <= 0 || K <= 0 || K % unit_weights(qt)) return 0;
+  return (N + G - 1) / G * (K / unit_weights(qt)) * unit_bytes(qt);
+}
+
+}  // namespace
+
+extern "C" {
+
+// src: the file's rows [N][K / block * block bytes]; dst: dst_bytes = ceil(N / 16) * units per row * unit
+// bytes (kernels/quant_cpu.py's packed_bytes), rows past N zero. Returns 0, or 1 for bad arguments.
+int pagedserve_quant_repack(int qt, const uint8_t* src, uint8_t* dst, int64_t N, int64_t K, int64_t dst_bytes) {
+  const int64_t total = packed_bytes(qt, N, K);
+  if (total == 0 || total != dst_bytes) return 1;
+  const int64_t units = K / unit_weights(qt), ub = unit_bytes(qt), fb = file_block_bytes(qt), groups = (N + G - 1) / G;
+  std::memset(dst, 0, total);
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; ++g)
+    for (int r = 0; r < G && g * G + r < N; ++r)
+      for (int64_t un = 0; un < units; ++un)
+        pack_block(qt, src + (g * G + r) * units * fb + un * fb, dst + (g * units + un) * ub, r);
+  return 0;
+}
+
+// The activation quantization the product uses (exposed for the tests): x [M][K] (dtype 0 f32, 1 bf16), K % 32 == 0.
+int pagedserve_quant_act(int dtype, const void* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+  if (M < 1 || K <= 0 || K % 32) return 1;
+  if (dtype == 0) quantize_rows(static_cast<const float*>(x), M, K, q, d, s);
+  else if (dtype == 1) quantize_rows(static_cast<const uint16_t*>(x), M, K, q, d, s);
+  else return 2;
+  return 0;
+}
+
+// y [M][N] = x [M][K] . W^T (+ bias [N] or null), x / bias / y of dtype (0 f32, 1 bf16), W packed.
+// Returns 0; 1 bad arguments; 2 bad dtype; 3 this CPU has no AVX512-VNNI (the caller dequantizes).
+int pagedserve_quant_linear(int qt, int dtype, const void* x, const uint8_t* packed, const void* bias, void* y,
+                            int64_t M, int64_t N, int64_t K) {
+  if (!HAVE_VNNI) return 3;
+  if (packed_bytes(qt, N, K) == 0 || M < 1) return 1;
+  if (dtype != 0 && dtype != 1) return 2;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  static thread_local std::vector<int8_t> q;
+  static thread_local std::vector<float> d, s;
+  q.resize(M * K);
+  d.resize(M * K / 32);
+  s.resize(M * K / 16);
+  pagedserve_quant_act(dtype, x, M, K, q.data(), d.data(), s.data());
+  const Act a{q.data(), d.data(), s.data(), K};
+  if (dtype == 0) dispatch(qt, a, packed, static_cast<const float*>(bias), static_cast<float*>(y), M, N);
+  else dispatch(qt, a, packed, static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), M, N);
+#endif
+  return 0;
+}
+
+}  // extern "C"
