@@ -129,3 +129,22 @@ def test_split_rows_shards_the_output_features(qtype: str) -> None:
     assert [p.shape for p in parts] == [(16, k), (21, k), (13, k)]
     assert sum(p.data.numel() for p in parts) == w.data.numel()
     assert torch.equal(torch.cat([quant_linear(x, p) for p in parts], dim=1), full)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_triton_dequantizing_matmul_in_the_interpreter(qtype: str) -> None:
+    from pagedserve.kernels import triton_quant  # the interpreter was chosen at import without CUDA
+
+    block = GGML_QUANT_TYPES[qtype].block_size
+    n, k, m = 37, block * (2 if block == 256 else 5), 3
+    w = make_weight(qtype, n, k, seed=7)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7))
+    bias = torch.randn(n)
+    y = triton_quant.quant_matmul(x, w, bias)
+    ref_q, ref, bound = _references(w, x)
+    scale = x.double().abs() @ dequantize(w).double().abs().T
+    assert ((y.double() - bias.double() - ref).abs() <= 1e-5 * scale + 1e-6).all()  # fp32 of the dequantized product
+    cpu = quant_linear(x, prepare(w), bias).double()  # the CPU kernel: int8 activations, so within their rounding
+    assert ((y.double() - cpu).abs() <= bound * 1.001 + 2e-5 * scale + 1e-6).all()
+    with pytest.raises(ValueError, match="Q4_1"):
+        triton_quant.quant_matmul(x[:, :32], make_weight("Q4_1", 4, 32, seed=0))
