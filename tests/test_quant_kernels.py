@@ -148,3 +148,13 @@ def test_triton_dequantizing_matmul_in_the_interpreter(qtype: str) -> None:
     assert ((y.double() - cpu).abs() <= bound * 1.001 + 2e-5 * scale + 1e-6).all()
     with pytest.raises(ValueError, match="Q4_1"):
         triton_quant.quant_matmul(x[:, :32], make_weight("Q4_1", 4, 32, seed=0))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_packed_form_holds_the_blocks_exactly(qtype: str) -> None:
+    qt = GGML_QUANT_TYPES[qtype]
+    raw = torch.randint(0, 256, (19, 2 * qt.type_size), dtype=torch.uint8)  # every bit pattern, scales too
+    w = prepare(QuantWeight(raw.clone(), qtype, (19, 2 * qt.block_size)), keep_blocks=False)
+    assert w.data is None and w.nbytes == w.packed.numel() <= raw.numel() * 1.03 + 16 * 2 * qt.type_size
+    assert torch.equal(w.blocks(), raw)
+    assert torch.equal(w.split_rows(3, 17).data, raw[3:17])
