@@ -36,6 +36,8 @@ class QuantType:
 GGML_QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
     QuantType("Q4_0", 2, 32, 18),
     QuantType("Q4_1", 3, 32, 20),
+    QuantType("Q5_0", 6, 32, 22),
+    QuantType("Q5_1", 7, 32, 24),
     QuantType("Q8_0", 8, 32, 34),
     QuantType("Q4_K", 12, QK_K, 144),
     QuantType("Q6_K", 14, QK_K, 210),
@@ -147,6 +149,12 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     elif qt.name == "Q4_1":
         q = _nibbles(b[..., 4:]).reshape(*b.shape[:2], 32).float()
         out = _f16(b[..., 0:2]) * q + _f16(b[..., 2:4])
+    elif qt.name in ("Q5_0", "Q5_1"):
+        off = 4 if qt.name == "Q5_1" else 2
+        qh = b[..., off:off + 4].contiguous().view(torch.int32)  # [n, nb, 1], bit j: weight j's fifth bit
+        hi = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+        q = (_nibbles(b[..., off + 4:]).reshape(*b.shape[:2], 32).int() | (hi << 4)).float()
+        out = _f16(b[..., 0:2]) * q + _f16(b[..., 2:4]) if qt.name == "Q5_1" else _f16(b[..., 0:2]) * (q - 16.0)
     elif qt.name == "Q4_K":
         sc, mn = _k_scales(b[..., 4:16])
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [n, nb, 1]

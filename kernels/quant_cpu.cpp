@@ -5,7 +5,8 @@
 // activation bytes, four products into each int32 lane), then one float scale
 // per block. Every type is written as w = a * q + b with q unsigned:
 //   Q8_0 q = w + 128 (stored flipped), a = d, b = -128 d;  Q4_0 a = d, b = -8 d;
-//   Q4_1 a = d, b = m;  Q4_K a = d sc, b = -dmin m (per 32);  Q6_K a = d sc, b = -32 a (per 16),
+//   Q4_1 a = d, b = m;  Q5_0 a = d, b = -16 d;  Q5_1 a = d, b = m;
+//   Q4_K a = d sc, b = -dmin m (per 32);  Q6_K a = d sc, b = -32 a (per 16),
 // so a block's sum is dx (a . sum(q qx) + b . sum(qx)).
 //
 // The weight is repacked once (at load) into groups of 16 output rows, so one
@@ -17,6 +18,8 @@
 //   Q8_0  q[8 quads][16 rows][4] u8 ^ 0x80, d[16] f16                      544 B
 //   Q4_0  n[4][16][4] (low nibble: quad j, high: quad j + 4), d[16] f16    288 B
 //   Q4_1  n as Q4_0, d[16], m[16] f16                                      320 B
+//   Q5_0  n as Q4_0, h[16][4] (bit j: the fifth bit of quad j), d[16]      352 B
+//   Q5_1  n, h as Q5_0, d[16], m[16] f16                                   384 B
 //   Q4_K  d[16], dmin[16] f16, sc[8][16], mn[8][16] u8, 8 x n (256 B)     2368 B
 //   Q6_K  d[16] f16, sc[16][16] i8, 8 x (n 256 B, h[2][16][4] 128 B)     3360 B
 // where h[i] holds the top 2 bits of quads 4i .. 4i + 3, quad 4i + t at bits 2t.
@@ -30,7 +33,7 @@ namespace {
 
 using namespace pagedserve_cpu;
 
-constexpr int Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14;  // ggml's type numbers
+constexpr int Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14;  // ggml's type numbers
 constexpr int G = 16;                                             // rows per group
 
 int unit_weights(int qt) { return qt == Q4_K || qt == Q6_K ? 256 : 32; }
@@ -39,6 +42,8 @@ int64_t unit_bytes(int qt) {
     case Q8_0: return 544;
     case Q4_0: return 288;
     case Q4_1: return 320;
+    case Q5_0: return 352;
+    case Q5_1: return 384;
     case Q4_K: return 2368;
     case Q6_K: return 3360;
     default: return 0;
@@ -49,6 +54,8 @@ int64_t file_block_bytes(int qt) {
     case Q8_0: return 34;
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
     case Q4_K: return 144;
     case Q6_K: return 210;
     default: return 0;
@@ -77,6 +84,20 @@ void pack_block(int qt, const uint8_t* src, uint8_t* u, int r) {
       std::memcpy(u + 256 + 2 * r, src, 2);
       if (qt == Q4_1) std::memcpy(u + 288 + 2 * r, src + 2, 2);
       break;
+    case Q5_0:
+    case Q5_1: {
+      const int off = qt == Q5_1 ? 4 : 2;
+      uint32_t qh;
+      std::memcpy(&qh, src + off, 4);
+      const uint8_t* qs = src + off + 4;
+      for (int k = 0; k < 16; ++k) q[k] = qs[k] & 0x0F, q[16 + k] = qs[k] >> 4;
+      put_nibbles(u, r, q);
+      for (int quad = 0; quad < 8; ++quad)
+        for (int t = 0; t < 4; ++t) u[256 + r * 4 + t] |= static_cast<uint8_t>(((qh >> (4 * quad + t)) & 1u) << quad);
+      std::memcpy(u + 320 + 2 * r, src, 2);
+      if (qt == Q5_1) std::memcpy(u + 352 + 2 * r, src + 2, 2);
+      break;
+    }
     case Q4_K: {
       std::memcpy(u + 2 * r, src, 2);
       std::memcpy(u + 32 + 2 * r, src + 2, 2);
@@ -143,6 +164,18 @@ void unpack_block(int qt, const uint8_t* u, uint8_t* dst, int r) {
       for (int k = 0; k < 16; ++k) dst[off + k] = static_cast<uint8_t>(q[k] | (q[16 + k] << 4));
       break;
     }
+    case Q5_0:
+    case Q5_1: {
+      const int off = qt == Q5_1 ? 4 : 2;
+      std::memcpy(dst, u + 320 + 2 * r, 2);
+      if (qt == Q5_1) std::memcpy(dst + 2, u + 352 + 2 * r, 2);
+      get_nibbles(u, r, q);
+      uint32_t qh = 0;
+      for (int k = 0; k < 32; ++k) qh |= static_cast<uint32_t>((u[256 + r * 4 + k % 4] >> (k / 4)) & 1u) << k;
+      std::memcpy(dst + off, &qh, 4);
+      for (int k = 0; k < 16; ++k) dst[off + 4 + k] = static_cast<uint8_t>(q[k] | (q[16 + k] << 4));
+      break;
+    }
     case Q4_K: {
       std::memcpy(dst, u + 2 * r, 2);
       std::memcpy(dst + 2, u + 32 + 2 * r, 2);
@@ -182,7 +215,11 @@ void unpack_block(int qt, const uint8_t* u, uint8_t* dst, int r) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool HAVE_VNNI = true;
-constexpr int MT = 4, P = 2;  // rows of x and groups per tile
+#ifndef QK_MT
+#define QK_MT 4
+#define QK_P 2
+#endif
+constexpr int MT = QK_MT, P = QK_P;  // rows of x and groups per tile
 
 // The activations, quantized: q [M][K] int8; d [M][K/32] scale; s [M][K/16] d * sum(q) per 16.
 struct Act {
@@ -250,7 +287,7 @@ inline void tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, _
   __m512i w[P][8];
   __m512 a[P][2], b[P][2];
   for (int64_t un = 0; un < units; ++un) {
-    if constexpr (QT == Q8_0 || QT == Q4_0 || QT == Q4_1) {
+    if constexpr (QT == Q8_0 || QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) {
       for (int p = 0; p < PP; ++p) {
         const uint8_t* u = wg + p * gstride + un * ub;
         __builtin_prefetch(u + 4096, 0, 2);
@@ -258,6 +295,19 @@ inline void tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, _
           for (int j = 0; j < 8; ++j) w[p][j] = _mm512_loadu_si512(u + 64 * j);
           a[p][0] = f16x16(u + 512);
           b[p][0] = _mm512_mul_ps(a[p][0], _mm512_set1_ps(-128.0f));
+        } else if constexpr (QT == Q5_0 || QT == Q5_1) {
+          nibbles(u, w[p]);
+          const __m512i h = _mm512_loadu_si512(u + 256), m1 = _mm512_set1_epi8(0x10);
+          w[p][0] = _mm512_or_si512(w[p][0], _mm512_and_si512(_mm512_slli_epi16(h, 4), m1));
+          w[p][1] = _mm512_or_si512(w[p][1], _mm512_and_si512(_mm512_slli_epi16(h, 3), m1));
+          w[p][2] = _mm512_or_si512(w[p][2], _mm512_and_si512(_mm512_slli_epi16(h, 2), m1));
+          w[p][3] = _mm512_or_si512(w[p][3], _mm512_and_si512(_mm512_slli_epi16(h, 1), m1));
+          w[p][4] = _mm512_or_si512(w[p][4], _mm512_and_si512(h, m1));
+          w[p][5] = _mm512_or_si512(w[p][5], _mm512_and_si512(_mm512_srli_epi16(h, 1), m1));
+          w[p][6] = _mm512_or_si512(w[p][6], _mm512_and_si512(_mm512_srli_epi16(h, 2), m1));
+          w[p][7] = _mm512_or_si512(w[p][7], _mm512_and_si512(_mm512_srli_epi16(h, 3), m1));
+          a[p][0] = f16x16(u + 320);
+          b[p][0] = QT == Q5_1 ? f16x16(u + 352) : _mm512_mul_ps(a[p][0], _mm512_set1_ps(-16.0f));
         } else {
           nibbles(u, w[p]);
           a[p][0] = f16x16(u + 256);
@@ -330,14 +380,18 @@ inline void groups_rows(const uint8_t* wg, int64_t gstride, const Act& x, int64_
                         const T* bias, T* y) {
   int64_t m0 = 0;
   for (; m0 + MT <= M; m0 += MT) run_tile<QT, MT, PP>(wg, gstride, x, m0, n0, N, bias, y);
-  switch (M - m0) {
-    case 1: run_tile<QT, 1, PP>(wg, gstride, x, m0, n0, N, bias, y); break;
-    case 2: run_tile<QT, 2, PP>(wg, gstride, x, m0, n0, N, bias, y); break;
-    case 3: run_tile<QT, 3, PP>(wg, gstride, x, m0, n0, N, bias, y); break;
-    default: break;
+  switch (M - m0) {  // the remainder, unrolled at compile time
+#define PAGEDSERVE_REST(r) \
+  case r:                  \
+    if constexpr (r < MT) run_tile<QT, r, PP>(wg, gstride, x, m0, n0, N, bias, y); break;
+    PAGEDSERVE_REST(1) PAGEDSERVE_REST(2) PAGEDSERVE_REST(3) PAGEDSERVE_REST(4) PAGEDSERVE_REST(5)
+    PAGEDSERVE_REST(6) PAGEDSERVE_REST(7)
+#undef PAGEDSERVE_REST
+    default:
+      break;
   }
 }
-static_assert(MT == 4, "groups_rows unrolls remainders of up to 3 rows");
+static_assert(MT <= 8, "groups_rows unrolls remainders of up to 7 rows");
 
 template <int QT, typename T>
 void linear(const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M, int64_t N) {
@@ -359,6 +413,8 @@ void dispatch(int qt, const Act& x, const uint8_t* packed, const T* bias, T* y, 
     case Q8_0: linear<Q8_0>(x, packed, bias, y, M, N); break;
     case Q4_0: linear<Q4_0>(x, packed, bias, y, M, N); break;
     case Q4_1: linear<Q4_1>(x, packed, bias, y, M, N); break;
+    case Q5_0: linear<Q5_0>(x, packed, bias, y, M, N); break;
+    case Q5_1: linear<Q5_1>(x, packed, bias, y, M, N); break;
     case Q4_K: linear<Q4_K>(x, packed, bias, y, M, N); break;
     case Q6_K: linear<Q6_K>(x, packed, bias, y, M, N); break;
   }

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     from pagedserve.kernels.quant import QuantWeight
 
 GROUP = 16  # output rows per packed group
-UNIT_BYTES = {"Q8_0": 544, "Q4_0": 288, "Q4_1": 320, "Q4_K": 2368, "Q6_K": 3360}  # per group and unit
-UNIT_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256}
+UNIT_BYTES = {"Q8_0": 544, "Q4_0": 288, "Q4_1": 320, "Q5_0": 352, "Q5_1": 384, "Q4_K": 2368,
+              "Q6_K": 3360}  # per group and unit
+UNIT_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256, "Q6_K": 256}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 NO_VNNI = 3  # pagedserve_quant_linear's code: this CPU has no AVX512-VNNI
 
