@@ -423,12 +423,34 @@ void dispatch(int qt, const Act& x, const uint8_t* packed, const T* bias, T* y, 
 constexpr bool HAVE_VNNI = false;
 #endif
 
-// x [M][K] -> q int8 (per 32: round(x / d), d = max|x| / 127), d [M][K/32], s [M][K/16] = d * sum(q) per 16.
+// x [M][K] -> q int8 (per 32: round(x / d) to nearest even, d = max|x| / 127), d [M][K/32],
+// s [M][K/16] = d * sum(q) per 16. Vectorised: done scalar it cost as much as the product at 64 rows.
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+#endif
+
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < M * (K / 32); ++i) {
     const T* xb = x + i * 32;
+#if defined(__AVX512F__)
+    const __m512 v0 = load16(xb), v1 = load16(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i * 32 + 16), _mm512_cvtepi32_epi8(q1));
+    const float dd = amax / 127.0f;
+    d[i] = dd;
+    s[2 * i] = dd * static_cast<float>(_mm512_reduce_add_epi32(q0));
+    s[2 * i + 1] = dd * static_cast<float>(_mm512_reduce_add_epi32(q1));
+#else
     float v[32], amax = 0.0f;
     for (int k = 0; k < 32; ++k) v[k] = load(xb + k), amax = std::max(amax, std::fabs(v[k]));
     const float dd = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -441,6 +463,7 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float*
     d[i] = dd;
     s[2 * i] = dd * static_cast<float>(sum[0]);
     s[2 * i + 1] = dd * static_cast<float>(sum[1]);
+#endif
   }
 }
 
