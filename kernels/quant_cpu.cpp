@@ -36,7 +36,7 @@ using namespace pagedserve_cpu;
 constexpr int Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q6_K = 14;  // ggml's type numbers
 constexpr int G = 16;                                             // rows per group
 
-int unit_weights(int qt) { return qt == Q4_K || qt == Q6_K ? 256 : 32; }
+constexpr int unit_weights(int qt) { return qt == Q4_K || qt == Q6_K ? 256 : 32; }
 int64_t unit_bytes(int qt) {
   switch (qt) {
     case Q8_0: return 544;
@@ -215,11 +215,12 @@ void unpack_block(int qt, const uint8_t* u, uint8_t* dst, int r) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool HAVE_VNNI = true;
-#ifndef QK_MT
-#define QK_MT 4
-#define QK_P 2
-#endif
-constexpr int MT = QK_MT, P = QK_P;  // rows of x and groups per tile
+// Groups per tile, and rows of x per tile by type (the most of either: MT). Measured on the
+// 2-core EPYC at 8 and 64 rows, one thread: 6 rows made Q8_0 1.3-1.5x faster than 4, and
+// Q4_1 up to 1.25x slower (docs: kernels/quant_bench.py).
+constexpr int P = 2, MT = 6;
+template <int QT>
+constexpr int rows_per_tile() { return QT == Q8_0 ? 6 : 4; }
 
 // The activations, quantized: q [M][K] int8; d [M][K/32] scale; s [M][K/16] d * sum(q) per 16.
 struct Act {
@@ -242,38 +243,65 @@ inline __m512 i8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// 8 quads from 4 nibble vectors.
-inline void nibbles(const uint8_t* n, __m512i (&w)[8]) {
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
-  for (int j = 0; j < 4; ++j) {
-    const __m512i v = _mm512_loadu_si512(n + 64 * j);
-    w[j] = _mm512_and_si512(v, m4);
-    w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+inline __m512i shift16(__m512i v, int s) {  // left by s (right by -s) in 16-bit lanes; the callers mask per byte
+  return s > 0 ? _mm512_slli_epi16(v, s) : s < 0 ? _mm512_srli_epi16(v, -s) : v;
+}
+
+// Quads jj and jj + 4 of the block at u (a 32-weight unit, or a K type's sub-block) as unsigned bytes.
+template <int QT>
+inline void quads(const uint8_t* u, int jj, __m512i& lo, __m512i& hi) {
+  if constexpr (QT == Q8_0) {
+    lo = _mm512_loadu_si512(u + 64 * jj);
+    hi = _mm512_loadu_si512(u + 64 * (jj + 4));
+  } else {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), v = _mm512_loadu_si512(u + 64 * jj);
+    lo = _mm512_and_si512(v, m4);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    if constexpr (QT == Q5_0 || QT == Q5_1) {  // bit j of h: the fifth bit of quad j
+      const __m512i h = _mm512_loadu_si512(u + 256), m1 = _mm512_set1_epi8(0x10);
+      lo = _mm512_or_si512(lo, _mm512_and_si512(shift16(h, 4 - jj), m1));
+      hi = _mm512_or_si512(hi, _mm512_and_si512(shift16(h, -jj), m1));
+    } else if constexpr (QT == Q6_K) {  // bits 2 jj, 2 jj + 1 of h[0] (h[1]): the top two of quad jj (jj + 4)
+      const __m512i m2 = _mm512_set1_epi8(0x30);
+      lo = _mm512_or_si512(lo, _mm512_and_si512(shift16(_mm512_loadu_si512(u + 256), 4 - 2 * jj), m2));
+      hi = _mm512_or_si512(hi, _mm512_and_si512(shift16(_mm512_loadu_si512(u + 320), 4 - 2 * jj), m2));
+    }
   }
 }
 
-// The 32 weights at xq's block (quads w[p]) into acc: a, b per group (a1, b1 for the second 16 when HALVES).
-template <int MM, int PP, bool HALVES>
-inline void dot32(const __m512i (&w)[P][8], const __m512 (&a)[P][2], const __m512 (&b)[P][2], const Act& x,
+// MM rows of x (from m0) times the 32 weights of block blk of PP groups (unit pointers u[p]), into acc:
+// a, b per group (HALVES: a[p][h], b[p][h] for each 16). The quads are the outer loop, so each weight
+// vector is decoded once and meets MM broadcast activations; the int sums stay in registers.
+template <int QT, int MM, int PP, bool HALVES>
+inline void dot32(const uint8_t* const (&u)[P], const __m512 (&a)[P][2], const __m512 (&b)[P][2], const Act& x,
                   int64_t m0, int64_t blk, __m512 (&acc)[MT][P]) {
   const int64_t KB = x.K / 32;
+  __m512i i0[MT][P], i1[MT][P];
+  for (int m = 0; m < MM; ++m)
+    for (int p = 0; p < PP; ++p) i0[m][p] = _mm512_setzero_si512(), i1[m][p] = _mm512_setzero_si512();
+  for (int jj = 0; jj < 4; ++jj) {
+    __m512i lo[P], hi[P];
+    for (int p = 0; p < PP; ++p) quads<QT>(u[p], jj, lo[p], hi[p]);
+    for (int m = 0; m < MM; ++m) {
+      const int8_t* xp = x.q + (m0 + m) * x.K + blk * 32;
+      const __m512i xl = bcast(xp + 4 * jj), xh = bcast(xp + 4 * (jj + 4));
+      for (int p = 0; p < PP; ++p) {
+        i0[m][p] = _mm512_dpbusd_epi32(i0[m][p], lo[p], xl);
+        if constexpr (HALVES) i1[m][p] = _mm512_dpbusd_epi32(i1[m][p], hi[p], xh);
+        else i0[m][p] = _mm512_dpbusd_epi32(i0[m][p], hi[p], xh);
+      }
+    }
+  }
   for (int m = 0; m < MM; ++m) {
-    const int8_t* xp = x.q + (m0 + m) * x.K + blk * 32;
     const __m512 dx = _mm512_set1_ps(x.d[(m0 + m) * KB + blk]);
     const float* s = x.s + (m0 + m) * 2 * KB + 2 * blk;
     for (int p = 0; p < PP; ++p) {
+      acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[m][p]), _mm512_mul_ps(a[p][0], dx), acc[m][p]);
       if constexpr (HALVES) {
-        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
-        for (int j = 0; j < 4; ++j) i0 = _mm512_dpbusd_epi32(i0, w[p][j], bcast(xp + 4 * j));
-        for (int j = 4; j < 8; ++j) i1 = _mm512_dpbusd_epi32(i1, w[p][j], bcast(xp + 4 * j));
-        acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(a[p][0], dx), acc[m][p]);
-        acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(a[p][1], dx), acc[m][p]);
+        acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[m][p]), _mm512_mul_ps(a[p][1], dx), acc[m][p]);
         acc[m][p] = _mm512_fmadd_ps(b[p][0], _mm512_set1_ps(s[0]), acc[m][p]);
         acc[m][p] = _mm512_fmadd_ps(b[p][1], _mm512_set1_ps(s[1]), acc[m][p]);
       } else {
-        __m512i i0 = _mm512_setzero_si512();
-        for (int j = 0; j < 8; ++j) i0 = _mm512_dpbusd_epi32(i0, w[p][j], bcast(xp + 4 * j));
-        acc[m][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(a[p][0], dx), acc[m][p]);
         acc[m][p] = _mm512_fmadd_ps(b[p][0], _mm512_set1_ps(s[0] + s[1]), acc[m][p]);
       }
     }
@@ -284,75 +312,45 @@ inline void dot32(const __m512i (&w)[P][8], const __m512 (&a)[P][2], const __m51
 template <int QT, int MM, int PP>
 inline void tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, __m512 (&acc)[MT][P]) {
   const int64_t units = x.K / unit_weights(QT), ub = unit_bytes(QT);
-  __m512i w[P][8];
   __m512 a[P][2], b[P][2];
+  const uint8_t* u[P];
   for (int64_t un = 0; un < units; ++un) {
-    if constexpr (QT == Q8_0 || QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) {
+    if constexpr (unit_weights(QT) == 32) {
       for (int p = 0; p < PP; ++p) {
-        const uint8_t* u = wg + p * gstride + un * ub;
-        __builtin_prefetch(u + 4096, 0, 2);
-        if constexpr (QT == Q8_0) {
-          for (int j = 0; j < 8; ++j) w[p][j] = _mm512_loadu_si512(u + 64 * j);
-          a[p][0] = f16x16(u + 512);
-          b[p][0] = _mm512_mul_ps(a[p][0], _mm512_set1_ps(-128.0f));
-        } else if constexpr (QT == Q5_0 || QT == Q5_1) {
-          nibbles(u, w[p]);
-          const __m512i h = _mm512_loadu_si512(u + 256), m1 = _mm512_set1_epi8(0x10);
-          w[p][0] = _mm512_or_si512(w[p][0], _mm512_and_si512(_mm512_slli_epi16(h, 4), m1));
-          w[p][1] = _mm512_or_si512(w[p][1], _mm512_and_si512(_mm512_slli_epi16(h, 3), m1));
-          w[p][2] = _mm512_or_si512(w[p][2], _mm512_and_si512(_mm512_slli_epi16(h, 2), m1));
-          w[p][3] = _mm512_or_si512(w[p][3], _mm512_and_si512(_mm512_slli_epi16(h, 1), m1));
-          w[p][4] = _mm512_or_si512(w[p][4], _mm512_and_si512(h, m1));
-          w[p][5] = _mm512_or_si512(w[p][5], _mm512_and_si512(_mm512_srli_epi16(h, 1), m1));
-          w[p][6] = _mm512_or_si512(w[p][6], _mm512_and_si512(_mm512_srli_epi16(h, 2), m1));
-          w[p][7] = _mm512_or_si512(w[p][7], _mm512_and_si512(_mm512_srli_epi16(h, 3), m1));
-          a[p][0] = f16x16(u + 320);
-          b[p][0] = QT == Q5_1 ? f16x16(u + 352) : _mm512_mul_ps(a[p][0], _mm512_set1_ps(-16.0f));
-        } else {
-          nibbles(u, w[p]);
-          a[p][0] = f16x16(u + 256);
-          b[p][0] = QT == Q4_1 ? f16x16(u + 288) : _mm512_mul_ps(a[p][0], _mm512_set1_ps(-8.0f));
-        }
+        u[p] = wg + p * gstride + un * ub;
+        __builtin_prefetch(u[p] + 4096, 0, 2);
+        __builtin_prefetch(u[p] + 4096 + 256, 0, 2);
+        const int64_t sc = QT == Q8_0 ? 512 : QT == Q5_0 || QT == Q5_1 ? 320 : 256;  // d[16], then m[16]
+        a[p][0] = f16x16(u[p] + sc);
+        if constexpr (QT == Q4_1 || QT == Q5_1) b[p][0] = f16x16(u[p] + sc + 32);
+        else b[p][0] = _mm512_mul_ps(a[p][0], _mm512_set1_ps(QT == Q8_0 ? -128.0f : QT == Q4_0 ? -8.0f : -16.0f));
       }
-      dot32<MM, PP, false>(w, a, b, x, m0, un, acc);
+      dot32<QT, MM, PP, false>(u, a, b, x, m0, un, acc);
     } else {
       __m512 d[P], dm[P];
       for (int p = 0; p < PP; ++p) {
-        const uint8_t* u = wg + p * gstride + un * ub;
-        d[p] = f16x16(u);
-        if constexpr (QT == Q4_K) dm[p] = f16x16(u + 32);
+        d[p] = f16x16(wg + p * gstride + un * ub);
+        if constexpr (QT == Q4_K) dm[p] = f16x16(wg + p * gstride + un * ub + 32);
       }
       for (int s = 0; s < 8; ++s) {
         for (int p = 0; p < PP; ++p) {
-          const uint8_t* u = wg + p * gstride + un * ub;
+          const uint8_t* unit = wg + p * gstride + un * ub;
           if constexpr (QT == Q4_K) {
-            const uint8_t* n = u + 320 + s * 256;
-            __builtin_prefetch(n + 4096, 0, 2);
-            nibbles(n, w[p]);
-            a[p][0] = _mm512_mul_ps(d[p], u8x16(u + 64 + s * G));
-            b[p][0] = _mm512_mul_ps(dm[p], _mm512_sub_ps(_mm512_setzero_ps(), u8x16(u + 192 + s * G)));
+            u[p] = unit + 320 + s * 256;
+            __builtin_prefetch(u[p] + 4096, 0, 2);
+            a[p][0] = _mm512_mul_ps(d[p], u8x16(unit + 64 + s * G));
+            b[p][0] = _mm512_mul_ps(dm[p], _mm512_sub_ps(_mm512_setzero_ps(), u8x16(unit + 192 + s * G)));
           } else {
-            const uint8_t* n = u + 288 + s * 384;
-            __builtin_prefetch(n + 4096, 0, 2);
-            __builtin_prefetch(n + 4096 + 256, 0, 2);
-            nibbles(n, w[p]);
-            const __m512i m2 = _mm512_set1_epi8(0x30);
-            const __m512i h0 = _mm512_loadu_si512(n + 256), h1 = _mm512_loadu_si512(n + 320);
-            const __m512i hb[4][2] = {{_mm512_slli_epi16(h0, 4), _mm512_slli_epi16(h1, 4)},
-                                      {_mm512_slli_epi16(h0, 2), _mm512_slli_epi16(h1, 2)},
-                                      {h0, h1},
-                                      {_mm512_srli_epi16(h0, 2), _mm512_srli_epi16(h1, 2)}};
-            for (int t = 0; t < 4; ++t) {
-              w[p][t] = _mm512_or_si512(w[p][t], _mm512_and_si512(hb[t][0], m2));
-              w[p][t + 4] = _mm512_or_si512(w[p][t + 4], _mm512_and_si512(hb[t][1], m2));
-            }
-            a[p][0] = _mm512_mul_ps(d[p], i8x16(u + 32 + (2 * s) * G));
-            a[p][1] = _mm512_mul_ps(d[p], i8x16(u + 32 + (2 * s + 1) * G));
+            u[p] = unit + 288 + s * 384;
+            __builtin_prefetch(u[p] + 4096, 0, 2);
+            __builtin_prefetch(u[p] + 4096 + 256, 0, 2);
+            a[p][0] = _mm512_mul_ps(d[p], i8x16(unit + 32 + (2 * s) * G));
+            a[p][1] = _mm512_mul_ps(d[p], i8x16(unit + 32 + (2 * s + 1) * G));
             b[p][0] = _mm512_mul_ps(a[p][0], _mm512_set1_ps(-32.0f));
             b[p][1] = _mm512_mul_ps(a[p][1], _mm512_set1_ps(-32.0f));
           }
         }
-        dot32<MM, PP, QT == Q6_K>(w, a, b, x, m0, un * 8 + s, acc);
+        dot32<QT, MM, PP, QT == Q6_K>(u, a, b, x, m0, un * 8 + s, acc);
       }
     }
   }
@@ -379,11 +377,12 @@ template <int QT, int PP, typename T>
 inline void groups_rows(const uint8_t* wg, int64_t gstride, const Act& x, int64_t M, int64_t n0, int64_t N,
                         const T* bias, T* y) {
   int64_t m0 = 0;
-  for (; m0 + MT <= M; m0 += MT) run_tile<QT, MT, PP>(wg, gstride, x, m0, n0, N, bias, y);
+  constexpr int R = rows_per_tile<QT>();
+  for (; m0 + R <= M; m0 += R) run_tile<QT, R, PP>(wg, gstride, x, m0, n0, N, bias, y);
   switch (M - m0) {  // the remainder, unrolled at compile time
 #define PAGEDSERVE_REST(r) \
   case r:                  \
-    if constexpr (r < MT) run_tile<QT, r, PP>(wg, gstride, x, m0, n0, N, bias, y); break;
+    if constexpr (r < R) run_tile<QT, r, PP>(wg, gstride, x, m0, n0, N, bias, y); break;
     PAGEDSERVE_REST(1) PAGEDSERVE_REST(2) PAGEDSERVE_REST(3) PAGEDSERVE_REST(4) PAGEDSERVE_REST(5)
     PAGEDSERVE_REST(6) PAGEDSERVE_REST(7)
 #undef PAGEDSERVE_REST
