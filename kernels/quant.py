@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.kernels import quant_cpu
+
 QK_K = 256
 
 
@@ -107,9 +109,7 @@ class QuantWeight:
         """The file's blocks, uint8 [out_features, row_bytes] (rebuilt from ``packed`` if dropped)."""
         if self.data is not None:
             return self.data
-        from pagedserve.kernels import quant_cpu
-
-        return quant_cpu.unpack(self)
+        return quant_cpu.unpack(self.packed, self.quant.code, *self.shape, self.row_bytes)
 
     def split_rows(self, start: int, end: int) -> QuantWeight:
         """Output features [start, end) (a tensor-parallel shard), unprepared."""
@@ -178,10 +178,8 @@ def prepare(w: QuantWeight, keep_blocks: bool = True) -> QuantWeight:
     without them ``quant_linear`` dequantizes per call. ``keep_blocks=False`` then drops
     ``w.data`` (the packed form is the same bytes reordered; ``blocks()`` rebuilds them).
     Returns ``w``."""
-    from pagedserve.kernels import quant_cpu
-
     if w.packed is None:
-        w.packed = quant_cpu.repack(w)
+        w.packed = quant_cpu.repack(w.blocks(), w.qtype, w.quant.code, *w.shape)
     if w.packed is not None and not keep_blocks:
         w.data = None
     return w
@@ -189,14 +187,12 @@ def prepare(w: QuantWeight, keep_blocks: bool = True) -> QuantWeight:
 
 def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in_features] (float32 or bfloat16) @ W.T (+ bias): [M, out_features] in x's dtype."""
-    if x.shape[-1] != w.shape[1]:
-        raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight {w.shape[1]}")
-    if w.packed is not None and x.device.type == "cpu":
-        from pagedserve.kernels import quant_cpu
-
-        y = quant_cpu.linear(x, w, bias)
+    if w.packed is not None:
+        y = quant_cpu.linear(x, w.packed, w.quant.code, *w.shape, bias)
         if y is not None:
             return y
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight {w.shape[1]}")
     wd = dequantize(w).to(device=x.device)
     y = x.float() @ wd.T
     if bias is not None:
