@@ -118,6 +118,25 @@ class QuantWeight:
         return QuantWeight(self.blocks()[start:end].contiguous(), self.qtype, (end - start, self.shape[1]))
 
 
+def from_int8_per_channel(qweight: torch.Tensor, scale: torch.Tensor) -> QuantWeight:
+    """An int8 weight with one scale per output row (weight-only int8 checkpoints, or the
+    weights of compressed-tensors W8A8: W = qweight * scale[:, None]) as Q8_0 blocks, each
+    block carrying its row's scale, so the same kernels serve it. Exact when every scale is an
+    fp16 value (bf16 scales in fp16's normal range are); otherwise a ValueError."""
+    n, k = qweight.shape
+    if qweight.dtype != torch.int8 or k % 32:
+        raise ValueError(f"int8 weight {tuple(qweight.shape)} {qweight.dtype}: want int8 with in_features % 32 == 0")
+    s = scale.reshape(-1).float()
+    if s.numel() != n:
+        raise ValueError(f"int8 weight of {n} rows with {s.numel()} scales: want one per output row")
+    s16 = s.to(torch.float16)
+    if not torch.equal(s16.float(), s):
+        raise ValueError("int8 weight scales are not exact in fp16: Q8_0 blocks cannot hold them")
+    d = s16.view(torch.uint8).reshape(n, 1, 2).expand(n, k // 32, 2)
+    q = qweight.contiguous().view(torch.uint8).reshape(n, k // 32, 32)
+    return QuantWeight(torch.cat([d, q], dim=2).reshape(n, -1), "Q8_0", (n, k))
+
+
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """Little-endian fp16 in the last dim's byte pairs -> float32."""
     return b.contiguous().view(torch.float16).float()

@@ -20,6 +20,7 @@ from pagedserve.kernels.quant import (
     QuantWeight,
     UnsupportedQuantType,
     dequantize,
+    from_int8_per_channel,
     prepare,
     quant_linear,
     quant_type,
@@ -159,3 +160,17 @@ def test_packed_form_holds_the_blocks_exactly(qtype: str) -> None:
     assert w.data is None and w.nbytes == w.packed.numel() <= raw.numel() * 1.03 + 16 * 2 * qt.type_size
     assert torch.equal(w.blocks(), raw)
     assert torch.equal(w.split_rows(3, 17).data, raw[3:17])
+
+
+def test_int8_per_channel_weights_run_as_q8_0() -> None:
+    g = torch.Generator().manual_seed(9)
+    q = torch.randint(-127, 128, (21, 96), generator=g, dtype=torch.int8)
+    scale = (torch.rand(21, generator=g) * 1e-2 + 1e-4).to(torch.bfloat16)  # bf16 scales, as checkpoints hold them
+    w = from_int8_per_channel(q, scale)
+    assert torch.equal(dequantize(w), q.float() * scale.float()[:, None])
+    x = torch.randn(3, 96, generator=g)
+    ref_q, _, _ = _references(w, x)
+    scale_sum = x.double().abs() @ dequantize(w).double().abs().T
+    assert ((quant_linear(x, prepare(w)).double() - ref_q).abs() <= 1e-5 * scale_sum + 1e-7).all()
+    with pytest.raises(ValueError, match="fp16"):
+        from_int8_per_channel(q, torch.full((21,), 1e-9))
