@@ -110,6 +110,36 @@ def bench(qtype: str, label: str, n: int, k: int, rows: list[int], repeats: int)
     return lines
 
 
+LAYERS = {"smol": 30, "1b": 16}
+
+
+def step(shape: str, qtypes: list[str], rows: list[int], repeats: int) -> list[str]:
+    """A whole decode step's linear layers (every layer's, then the LM head) at M rows: the
+    weights of a real model size, so they stream from memory as in serving. Milliseconds per
+    step, against the panels' bf16 (the CPU path's own) on the same dequantized weights."""
+    layers = [(label, n, k) for label, n, k in SHAPES[shape] if label != "lm_head"] * LAYERS[shape]
+    layers.append(next(s for s in SHAPES[shape] if s[0] == "lm_head"))
+    lines = []
+    for qtype in qtypes:
+        ws = [prepare(random_weight(qtype, n, k, seed=i), keep_blocks=False) for i, (_, n, k) in enumerate(layers)]
+        pbs = [cpu_ops.pack_linear(dequantize(w).to(torch.bfloat16)) for w in ws]
+        qbytes = sum(w.nbytes for w in ws)
+        for m in rows:
+            xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, _, k in layers}
+            fns: dict[str, Callable[[int], object]] = {
+                "quant": lambda i: [quant_linear(xs[w.shape[1]], w) for w in ws],
+                "panels bf16": lambda i: [cpu_ops.packed_linear(xs[k], pb, n, None)
+                                          for (_, n, k), pb in zip(layers, pbs)],
+            }
+            us = _times_us(fns, repeats)
+            flop = 2.0 * m * sum(n * k for _, n, k in layers)
+            parts = [f"{name} {best / 1e3:7.2f} ms (median {med / 1e3:7.2f}) {flop / best / 1e3:6.1f} GF/s "
+                     f"{(qbytes if name == 'quant' else flop / m) / best / 1e3:5.1f} GB/s"
+                     for name, (best, med) in us.items()]
+            lines.append(f"{qtype} {shape} step ({len(layers)} linears) M={m:<3d} | " + " | ".join(parts))
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", default="Q8_0,Q4_1,Q4_K,Q6_K")
@@ -118,11 +148,17 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated labels (qkv, o, gate_up, down, lm_head)")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    ap.add_argument("--step", action="store_true", help="time whole decode steps' linears instead")
     a = ap.parse_args()
     global CLOCK
     CLOCK = time.thread_time if a.clock == "thread" else time.perf_counter
     print(f"torch threads {torch.get_num_threads()}, clock {a.clock}; best (median) of {a.repeats}", flush=True)
     rows = [int(r) for r in a.rows.split(",")]
+    if a.step:
+        for shape in a.shapes.split(","):
+            for line in step(shape, a.types.split(","), rows, a.repeats):
+                print(line, flush=True)
+        return
     for shape in a.shapes.split(","):
         for label, n, k in SHAPES[shape]:
             if a.only and label not in a.only.split(","):
