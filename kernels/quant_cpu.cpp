@@ -215,10 +215,10 @@ void unpack_block(int qt, const uint8_t* u, uint8_t* dst, int r) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool HAVE_VNNI = true;
-// Groups per tile, and rows of x per tile by type (the most of either: MT). Measured on the
-// 2-core EPYC at 8 and 64 rows, one thread: 6 rows made Q8_0 1.3-1.5x faster than 4, and
-// Q4_1 up to 1.25x slower (docs: kernels/quant_bench.py).
-constexpr int P = 2, MT = 6;
+// Groups per tile, and rows of x per tile (the most: MT). Above 8 rows, by type, measured on
+// the 2-core EPYC at 8 and 64 rows, one thread: 6 rows made Q8_0 1.3-1.5x faster than 4, and
+// Q4_1 up to 1.25x slower (kernels/quant_bench.py).
+constexpr int P = 2, MT = 8;
 template <int QT>
 constexpr int rows_per_tile() { return QT == Q8_0 ? 6 : 4; }
 
@@ -378,11 +378,10 @@ inline void run_tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m
   }
 }
 
-template <int QT, int PP, typename T>
+template <int QT, int PP, int R, typename T>
 inline void groups_rows(const uint8_t* wg, int64_t gstride, const Act& x, int64_t M, int64_t n0, int64_t N,
                         const T* bias, T* y) {
   int64_t m0 = 0;
-  constexpr int R = rows_per_tile<QT>();
   for (; m0 + R <= M; m0 += R) run_tile<QT, R, PP>(wg, gstride, x, m0, n0, N, bias, y);
   switch (M - m0) {  // the remainder, unrolled at compile time
 #define PAGEDSERVE_REST(r) \
@@ -397,18 +396,29 @@ inline void groups_rows(const uint8_t* wg, int64_t gstride, const Act& x, int64_
 }
 static_assert(MT <= 8, "groups_rows unrolls remainders of up to 7 rows");
 
-template <int QT, typename T>
-void linear(const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M, int64_t N) {
-  const int64_t groups = (N + G - 1) / G, pairs = groups / P, gstride = x.K / unit_weights(QT) * unit_bytes(QT);
+// PP groups per tile and R rows per tile, over each thread's contiguous part of the groups.
+template <int QT, int PP, int R, typename T>
+void linear_tiles(const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M, int64_t N) {
+  const int64_t groups = (N + G - 1) / G, runs = groups / PP, gstride = x.K / unit_weights(QT) * unit_bytes(QT);
 #pragma omp parallel
   {
     FlushDenormals ftz;
 #pragma omp for schedule(static)  // each thread streams one contiguous part of the groups
-    for (int64_t i = 0; i < pairs; ++i)
-      groups_rows<QT, P>(packed + i * P * gstride, gstride, x, M, i * P * G, N, bias, y);
+    for (int64_t i = 0; i < runs; ++i)
+      groups_rows<QT, PP, R>(packed + i * PP * gstride, gstride, x, M, i * PP * G, N, bias, y);
 #pragma omp for schedule(static)
-    for (int64_t g = pairs * P; g < groups; ++g) groups_rows<QT, 1>(packed + g * gstride, gstride, x, M, g * G, N, bias, y);
+    for (int64_t g = runs * PP; g < groups; ++g)
+      groups_rows<QT, 1, R>(packed + g * gstride, gstride, x, M, g * G, N, bias, y);
   }
+}
+
+// 2 to 8 rows: all of them in one tile of one group, so the tile that streams the weight from
+// memory does all the work (two tiles of 6 + 2 rows of 2 groups ran the 1B decode step's
+// linears 1.0x the bf16 panels' speed at 8 rows, one core); one row: 2 groups, two chains.
+template <int QT, typename T>
+void linear(const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M, int64_t N) {
+  if (M >= 2 && M <= 8) linear_tiles<QT, 1, 8>(x, packed, bias, y, M, N);
+  else linear_tiles<QT, P, rows_per_tile<QT>()>(x, packed, bias, y, M, N);
 }
 
 template <typename T>
