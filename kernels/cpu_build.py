@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_attention.cpp", HERE / "cpu_ops.cpp", HERE / "cpu_linear.cpp", HERE / "cpu_model.cpp")
+SOURCES = (HERE / "cpu_attention.cpp", HERE / "cpu_ops.cpp", HERE / "cpu_linear.cpp", HERE / "cpu_model.cpp",
+           HERE / "quant_cpu.cpp")
 HEADERS = (HERE / "cpu_common.h", HERE / "cpu_scores.h", HERE / "cpu_cascade.h", HERE / "cpu_bf16.h", HERE / "cpu_rows.h")
 # Compiled with fast math (vectorised expf, reassociated sums) but linked
 # without it: a -ffast-math link adds crtfastmath, whose constructor turns on
@@ -49,6 +50,10 @@ SIGNATURES = {
     "pagedserve_linear_pack": [_i32, _ptr, _ptr, _i64, _i64],
     "pagedserve_linear": [_i32, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "pagedserve_llama_stack": [_ptr],
+    "pagedserve_quant_repack": [_i32, _ptr, _ptr, _i64, _i64, _i64],
+    "pagedserve_quant_unpack": [_i32, _ptr, _ptr, _i64, _i64, _i64],
+    "pagedserve_quant_act": [_i32, _ptr, _i64, _i64, _ptr, _ptr, _ptr],
+    "pagedserve_quant_linear": [_i32, _i32, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
 }
 
 # Until configured (kernels used directly, outside a worker): on, in the default cache's folder.
