@@ -1,12 +1,12 @@
 """Batched sampling with per-request parameters and reproducible seeds.
 
-Randomness is a pure function of (seed, position of the token being sampled,
-vocabulary index): a counter-based hash gives each (row, token) a uniform
-number, and the exponential race (argmax of logit/T - log(-log u), i.e.
-Gumbel-max) turns them into a sample. So a seeded request draws the same
-tokens whatever else is in the batch, on any device, and again after a
-recompute preemption re-sends its tokens. Unseeded rows get a fresh key from
-the worker's own generator each step.
+Every sampled row takes the exponential race: the argmax of logit/T - log(-log u),
+i.e. Gumbel-max. Seeded rows draw u as vLLM 0.32's CPU build does (seeded.py:
+a per-request torch generator and SplitMix64 noise), so a seeded request gives
+vLLM's tokens where the logits are equal, whatever else is in the batch, and
+again after a recompute preemption. Unseeded rows take the fast path: a
+counter-based hash gives each (row, token) a uniform number from a fresh key
+drawn from the worker's own generator each step.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from pagedserve.common.messages.types import SamplingParams
+from pagedserve.gpuworker.seeded import SeededGenerators, gumbel_argmax
 
 _M32 = 0xFFFFFFFF
 
@@ -29,22 +30,6 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & _M32
     return x ^ (x >> 16)
-
-
-def _mix32_int(x: int) -> int:
-    x &= _M32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
-def row_key(seed: int, position: int) -> int:
-    """A 32-bit key for sampling the token at ``position`` of a seeded sequence."""
-    seed &= (1 << 64) - 1
-    k = _mix32_int(_mix32_int(seed & _M32) ^ _mix32_int((seed >> 32) + 0x9E3779B9))
-    return _mix32_int(k ^ _mix32_int(position + 0x632BE5AB))
 
 
 def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -60,6 +45,7 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class SampleRow(Protocol):
     """What the sampler needs of a sequence (the runner's SeqState has it)."""
 
+    seq_id: int  # keys the seeded generator (a stale or shared id only costs a replay)
     params: SamplingParams
     token_ids: list[int]  # prompt + output so far; the sampled token goes at index len(token_ids)
     num_prompt_tokens: int
@@ -81,10 +67,13 @@ class Sampler:
     def __init__(self, seed: int, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_token_ids = eos_token_ids
+        self.seeded = SeededGenerators()
 
-    def _key(self, params: SamplingParams, position: int) -> int:
-        if params.seed is not None:
-            return row_key(params.seed, position)
+    def drop(self, seq_id: int) -> None:
+        """A finished (or preempted) sequence's generator goes; a resent one replays its draws."""
+        self.seeded.drop(seq_id)
+
+    def _key(self) -> int:
         return int(torch.randint(0, 1 << 32, (1,), generator=self.generator).item())
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
@@ -99,11 +88,24 @@ class Sampler:
             sub = logits[rand] if len(rand) < len(params) else logits
             temps = torch.tensor([params[i].temperature for i in rand], device=device)
             scaled = _apply_top_k_top_p_min_p(sub / temps[:, None], [params[i] for i in rand])
-            keys = torch.tensor([self._key(rows[i].params, len(rows[i].token_ids)) for i in rand], dtype=torch.int64)
-            u = uniform_noise(keys.to(device), raw.shape[1])
-            sampled = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
+            seeded = [j for j, i in enumerate(rand) if params[i].seed is not None]
+            free = [j for j, i in enumerate(rand) if params[i].seed is None]
+            sampled = torch.empty(len(rand), dtype=torch.long, device=device)
+            if free:  # the fast path: one hash-noise tensor for the unseeded rows
+                keys = torch.tensor([self._key() for _ in free], dtype=torch.int64, device=device)
+                u = uniform_noise(keys, raw.shape[1])
+                pick = scaled[free] if len(free) < len(rand) else scaled
+                sampled[free] = (pick - torch.log(-torch.log(u))).argmax(dim=-1)
+            if seeded:
+                draws = torch.tensor([self._draw(rows[rand[j]]) for j in seeded], dtype=torch.int64)
+                pick = scaled[seeded] if len(seeded) < len(rand) else scaled
+                sampled[seeded] = gumbel_argmax(pick, draws)
             out[torch.tensor(rand, device=device)] = sampled
         return _logprobs(raw, out, params)
+
+    def _draw(self, row: SampleRow) -> int:
+        assert row.params.seed is not None
+        return self.seeded.draw(row.seq_id, row.params.seed, len(row.token_ids) - row.num_prompt_tokens)
 
     def process(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         """min_tokens (no EOS / stop id before it), logit_bias, and vLLM's
