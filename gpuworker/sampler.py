@@ -20,6 +20,7 @@ from pagedserve.common.messages.types import SamplingParams
 from pagedserve.gpuworker.seeded import SeededGenerators, gumbel_argmax
 
 _M32 = 0xFFFFFFFF
+SAMPLING_EPS = 1e-5  # vLLM: a lower temperature is greedy (and draws nothing)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +84,7 @@ class Sampler:
         device = raw.device
         logits = apply_penalties(self.process(raw, rows), rows)
         out = logits.argmax(dim=-1)
-        rand = [i for i, p in enumerate(params) if not p.greedy]
+        rand = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]  # vLLM's greedy cut
         if rand:  # noise only for the rows that sample
             sub = logits[rand] if len(rand) < len(params) else logits
             temps = torch.tensor([params[i].temperature for i in rand], device=device)
@@ -209,28 +210,39 @@ def _logprobs(raw: torch.Tensor, out: torch.Tensor, params: list[SamplingParams]
 
 
 def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k / nucleus / min-p set."""
-    need_k = any(p.top_k > 0 for p in params)
+    """Mask (to -inf) tokens outside each row's min-p / top-k / nucleus set, in
+    vLLM 0.32's CPU order and arithmetic (MinPLogitsProcessor, then
+    apply_top_k_top_p_pytorch), so seeded draws race over the same set: top-k
+    keeps ties with the k-th logit, top-p drops the ascending prefix whose
+    cumulative mass is <= 1 - p (never the top token)."""
+    vocab = logits.shape[-1]
+    need_k = any(0 < p.top_k < vocab for p in params)
     need_p = any(p.top_p < 1.0 for p in params)
     need_min_p = any(p.min_p > 0.0 for p in params)
     if not (need_k or need_p or need_min_p):
         return logits
-    device, vocab = logits.device, logits.shape[-1]
+    device, ninf = logits.device, float("-inf")
     if need_min_p:
         min_p = torch.tensor([p.min_p for p in params], device=device)
         probs = torch.softmax(logits, dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    if need_k or need_p:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        if need_k:
-            k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).clamp(max=vocab)
-            ranks = torch.arange(vocab, device=device)[None, :]
-            sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-        if need_p:
-            top_p = torch.tensor([p.top_p for p in params], device=device)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-            sorted_logits = sorted_logits.masked_fill(before >= top_p[:, None], float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return logits
+        threshold = probs.amax(dim=-1, keepdim=True).mul_(min_p[:, None])
+        logits = logits.masked_fill(probs < threshold, ninf)
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.long, device=device)
+    if need_k and not need_p:  # vLLM's apply_top_k_only: no full sort
+        no_k = k == vocab
+        k = k.masked_fill(no_k, 1)
+        kth = logits.topk(int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
+        kth.masked_fill_(no_k.unsqueeze(1), ninf)
+        return logits.masked_fill(logits < kth, ninf)
+    if not need_p:
+        return logits
+    logits_sort, order = logits.sort(dim=-1, descending=False)
+    if need_k:
+        kth = logits_sort.gather(1, (vocab - k).unsqueeze(1))
+        logits_sort.masked_fill_(logits_sort < kth, ninf)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    probs_sum = torch.cumsum(logits_sort.softmax(dim=-1), dim=-1)
+    drop = probs_sum <= 1 - top_p.unsqueeze(dim=1)
+    drop[:, -1] = False
+    logits_sort.masked_fill_(drop, ninf)
+    return logits.scatter(-1, order, logits_sort)
