@@ -9,12 +9,13 @@ makes it; per step the draw and the kernel exactly as
 ``TopKTopPSampler.forward_cpu`` runs them (the test pins that source text)."""
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
 import torch
 
-import vllm._C  # noqa: F401  (registers torch.ops._C.fused_gumbel_argmax)
+importlib.import_module("vllm._C")  # registers torch.ops._C.fused_gumbel_argmax
 
 
 def main() -> None:
