@@ -31,10 +31,16 @@ VLLM_PKG = PEERS_VENV / "lib" / "python3.11" / "site-packages" / "vllm"
 STEPS, VOCAB = 8, 49152  # SmolLM2's vocabulary
 SEEDS: list[int | None] = [0, 1, 12345, 2**40 + 7, None, 2**63 - 1]
 TEMPS = [1.0, 0.7, 1.3, 1.0, 1.0, 0.9]
-# vLLM 0.32's ids for the seeded rows of _logits() (recorded with tests/vllm_seeded_peer.py)
-RECORDED: list[list[int]] = [
-    [7, 13, 9, 53, 5], [37637, 4, 43, 59, 36], [16, 11, 23992, 31, 62], [39, 23, 4845, 60, 1],
-    [30, 17, 37733, 4, 42], [53, 43, 10869, 0, 1], [19761, 1, 44, 63, 29], [36062, 49, 38, 33, 35168],
+# A second job: each row's min-p / top-k / top-p (off: 0, 1.0, 0.0), run in one batch as vLLM runs them.
+MASKS = {"top_k": [50, 0, 0, 20, 0, 5], "top_p": [1.0, 0.9, 1.0, 0.8, 0.95, 1.0],
+         "min_p": [0.0, 0.0, 0.1, 0.0, 0.0, 0.05]}
+JOBS: list[dict[str, list[Any]]] = [{"temperatures": TEMPS}, {"temperatures": TEMPS, **MASKS}]
+# vLLM 0.32's ids for the seeded rows of _logits(), per job (recorded with tests/vllm_seeded_peer.py)
+RECORDED: list[list[list[int]]] = [
+    [[7, 13, 9, 53, 5], [37637, 4, 43, 59, 36], [16, 11, 23992, 31, 62], [39, 23, 4845, 60, 1],
+     [30, 17, 37733, 4, 42], [53, 43, 10869, 0, 1], [19761, 1, 44, 63, 29], [36062, 49, 38, 33, 35168]],
+    [[7, 13, 9, 53, 5], [25, 4, 43, 48, 36], [16, 11, 50, 31, 62], [39, 23, 3, 60, 1],
+     [30, 17, 41, 52, 42], [53, 43, 28, 0, 1], [59, 1, 44, 63, 29], [10, 49, 38, 33, 16]],
 ]
 
 
@@ -55,12 +61,17 @@ def _logits() -> torch.Tensor:
     return x
 
 
-def _ours(logits: torch.Tensor, sampler: Sampler | None = None, rows_idx: list[int] | None = None,
+def _params(i: int, job: int) -> SamplingParams:
+    extra = {k: v[i] for k, v in JOBS[job].items() if k != "temperatures"}
+    return SamplingParams(temperature=TEMPS[i], seed=SEEDS[i], **extra)
+
+
+def _ours(logits: torch.Tensor, job: int = 0, rows_idx: list[int] | None = None,
           drop_at: int = -1) -> list[list[int]]:
     """Ids per step for the rows ``rows_idx`` (all by default); ``drop_at``: a preemption before that step."""
     idx = list(range(len(SEEDS))) if rows_idx is None else rows_idx
-    sampler = sampler or Sampler(0)
-    rows = [Row(i, SamplingParams(temperature=TEMPS[i], seed=SEEDS[i]), [5, 6, 7], 3) for i in idx]
+    sampler = Sampler(0)
+    rows = [Row(i, _params(i, job), [5, 6, 7], 3) for i in idx]
     out = []
     for s in range(STEPS):
         if s == drop_at:
@@ -77,11 +88,13 @@ def _seeded_cols(out: list[list[int]], idx: list[int]) -> list[list[int]]:
     return [[step[j] for j, i in enumerate(idx) if SEEDS[i] is not None] for step in out]
 
 
-def _vllm(logits: torch.Tensor) -> list[list[int]]:
+def _vllm(logits: torch.Tensor) -> list[list[list[int]]]:
+    """vLLM's ids [job][step][row] for ``logits`` under each of JOBS."""
     with tempfile.NamedTemporaryFile(suffix=".bin") as f:
-        f.write(logits.numpy().tobytes())
+        for _ in JOBS:
+            f.write(logits.numpy().tobytes())
         f.flush()
-        spec = {"shape": list(logits.shape), "seeds": SEEDS, "temperatures": TEMPS}
+        spec = {"shape": [len(JOBS), *logits.shape], "seeds": SEEDS, "jobs": JOBS}
         run = subprocess.run([str(PEER_PY), "-I", str(Path(__file__).with_name("vllm_seeded_peer.py")), f.name,
                               json.dumps(spec)], cwd=tempfile.gettempdir(), capture_output=True, text=True,
                              timeout=600)
@@ -90,16 +103,19 @@ def _vllm(logits: torch.Tensor) -> list[list[int]]:
 
 
 def test_seeded_draws_equal_vllms_own_sampler() -> None:
+    """Temperature alone, then min-p / top-k / top-p: vLLM's masks and draw on the same logits."""
     logits = _logits()
     all_rows = list(range(len(SEEDS)))
-    ours = _seeded_cols(_ours(logits), all_rows)
+    ours = [_seeded_cols(_ours(logits, job), all_rows) for job in range(len(JOBS))]
     if PEER_PY.is_file():
-        ref = _seeded_cols(_vllm(logits), all_rows)
-        assert ref == RECORDED, "vLLM's draws changed: re-record RECORDED"
+        ref = [_seeded_cols(out, all_rows) for out in _vllm(logits)]
+        assert ref == RECORDED, f"vLLM's draws changed: re-record RECORDED as {ref}"
     else:
         ref = RECORDED
-    assert ours == ref
-    assert len({t for step in ours for t in step}) > 2 * len(SEEDS)  # draws, not an argmax
+    assert ours[0] == ref[0]
+    assert ours[1] == ref[1]
+    for job in ours:
+        assert len({t for step in job for t in step}) > 2 * len(SEEDS)  # draws, not an argmax
 
 
 def test_a_seeded_row_draws_the_same_alone_after_preemption_and_in_a_new_worker() -> None:
@@ -112,7 +128,7 @@ def test_a_seeded_row_draws_the_same_alone_after_preemption_and_in_a_new_worker(
     assert _seeded_cols(_ours(logits, drop_at=3), list(range(len(SEEDS)))) == whole  # replayed draws
     # a worker that never saw the first steps: a resent sequence with 4 outputs
     sampler = Sampler(0)
-    rows = [Row(i, SamplingParams(temperature=TEMPS[i], seed=SEEDS[i]), [5, 6, 7], 3) for i in seeded]
+    rows = [Row(i, _params(i, 0), [5, 6, 7], 3) for i in seeded]
     for s in range(4):
         for r, j in zip(rows, seeded):
             r.token_ids.append(whole[s][seeded.index(j)])
