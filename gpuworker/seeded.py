@@ -53,7 +53,10 @@ def gumbel_argmax(logits: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     bits = _shr(splitmix64(key + i * _i64(GAMMA)), 11)
     u = (bits.double() + 0.5) * 2.0**-53
     # float64: a float32 sum would round the noise away from near-tied logits
-    return (logits.double() - torch.log(-torch.log(u))).argmax(dim=-1)
+    scores = logits.double() - torch.log(-torch.log(u))
+    # bits = 2^53 - 1 rounds u to 1 (noise +inf): a masked token would score NaN and
+    # win torch's argmax; the kernel never looks at a -inf logit
+    return scores.masked_fill_(logits == float("-inf"), float("-inf")).argmax(dim=-1)
 
 
 class SeededGenerators:
