@@ -233,6 +233,7 @@ class ModelRunner:
         self.last_logits.clear()
         self.structured.clear()
         self.compiles.clear()
+        self.sampler.seeded.clear()
 
     def execute(self, step: ExecuteStep) -> StepResult:
         if self.ready is None:
@@ -272,6 +273,7 @@ class ModelRunner:
             self.compiles.start(step.compile)
         for seq_id in step.finished:
             self.structured.drop(seq_id)
+            self.sampler.drop(seq_id)
         for new in step.new_seqs:
             self._check_new(new)
         scheduled = self.states.apply(step, self.cache)

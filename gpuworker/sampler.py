@@ -1,12 +1,12 @@
 """Batched sampling with per-request parameters and reproducible seeds.
 
-Randomness is a pure function of (seed, position of the token being sampled,
-vocabulary index): a counter-based hash gives each (row, token) a uniform
-number, and the exponential race (argmax of logit/T - log(-log u), i.e.
-Gumbel-max) turns them into a sample. So a seeded request draws the same
-tokens whatever else is in the batch, on any device, and again after a
-recompute preemption re-sends its tokens. Unseeded rows get a fresh key from
-the worker's own generator each step.
+Every sampled row takes the exponential race: the argmax of logit/T - log(-log u),
+i.e. Gumbel-max. Seeded rows draw u as vLLM 0.32's CPU build does (seeded.py:
+a per-request torch generator and SplitMix64 noise), so a seeded request gives
+vLLM's tokens where the logits are equal, whatever else is in the batch, and
+again after a recompute preemption. Unseeded rows take the fast path: a
+counter-based hash gives each (row, token) a uniform number from a fresh key
+drawn from the worker's own generator each step.
 """
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from typing import Protocol
 import torch
 
 from pagedserve.common.messages.types import SamplingParams
+from pagedserve.gpuworker.seeded import SeededGenerators, gumbel_argmax
 
 _M32 = 0xFFFFFFFF
+SAMPLING_EPS = 1e-5  # vLLM: a lower temperature is greedy (and draws nothing)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -29,22 +31,6 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & _M32
     return x ^ (x >> 16)
-
-
-def _mix32_int(x: int) -> int:
-    x &= _M32
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & _M32
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
-def row_key(seed: int, position: int) -> int:
-    """A 32-bit key for sampling the token at ``position`` of a seeded sequence."""
-    seed &= (1 << 64) - 1
-    k = _mix32_int(_mix32_int(seed & _M32) ^ _mix32_int((seed >> 32) + 0x9E3779B9))
-    return _mix32_int(k ^ _mix32_int(position + 0x632BE5AB))
 
 
 def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -60,6 +46,7 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class SampleRow(Protocol):
     """What the sampler needs of a sequence (the runner's SeqState has it)."""
 
+    seq_id: int  # keys the seeded generator (a stale or shared id only costs a replay)
     params: SamplingParams
     token_ids: list[int]  # prompt + output so far; the sampled token goes at index len(token_ids)
     num_prompt_tokens: int
@@ -81,10 +68,13 @@ class Sampler:
     def __init__(self, seed: int, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.eos_token_ids = eos_token_ids
+        self.seeded = SeededGenerators()
 
-    def _key(self, params: SamplingParams, position: int) -> int:
-        if params.seed is not None:
-            return row_key(params.seed, position)
+    def drop(self, seq_id: int) -> None:
+        """A finished (or preempted) sequence's generator goes; a resent one replays its draws."""
+        self.seeded.drop(seq_id)
+
+    def _key(self) -> int:
         return int(torch.randint(0, 1 << 32, (1,), generator=self.generator).item())
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
@@ -94,16 +84,29 @@ class Sampler:
         device = raw.device
         logits = apply_penalties(self.process(raw, rows), rows)
         out = logits.argmax(dim=-1)
-        rand = [i for i, p in enumerate(params) if not p.greedy]
+        rand = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]  # vLLM's greedy cut
         if rand:  # noise only for the rows that sample
             sub = logits[rand] if len(rand) < len(params) else logits
             temps = torch.tensor([params[i].temperature for i in rand], device=device)
             scaled = _apply_top_k_top_p_min_p(sub / temps[:, None], [params[i] for i in rand])
-            keys = torch.tensor([self._key(rows[i].params, len(rows[i].token_ids)) for i in rand], dtype=torch.int64)
-            u = uniform_noise(keys.to(device), raw.shape[1])
-            sampled = (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
+            seeded = [j for j, i in enumerate(rand) if params[i].seed is not None]
+            free = [j for j, i in enumerate(rand) if params[i].seed is None]
+            sampled = torch.empty(len(rand), dtype=torch.long, device=device)
+            if free:  # the fast path: one hash-noise tensor for the unseeded rows
+                keys = torch.tensor([self._key() for _ in free], dtype=torch.int64, device=device)
+                u = uniform_noise(keys, raw.shape[1])
+                pick = scaled[free] if len(free) < len(rand) else scaled
+                sampled[free] = (pick - torch.log(-torch.log(u))).argmax(dim=-1)
+            if seeded:
+                draws = torch.tensor([self._draw(rows[rand[j]]) for j in seeded], dtype=torch.int64)
+                pick = scaled[seeded] if len(seeded) < len(rand) else scaled
+                sampled[seeded] = gumbel_argmax(pick, draws)
             out[torch.tensor(rand, device=device)] = sampled
         return _logprobs(raw, out, params)
+
+    def _draw(self, row: SampleRow) -> int:
+        assert row.params.seed is not None
+        return self.seeded.draw(row.seq_id, row.params.seed, len(row.token_ids) - row.num_prompt_tokens)
 
     def process(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
         """min_tokens (no EOS / stop id before it), logit_bias, and vLLM's
@@ -207,28 +210,39 @@ def _logprobs(raw: torch.Tensor, out: torch.Tensor, params: list[SamplingParams]
 
 
 def _apply_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k / nucleus / min-p set."""
-    need_k = any(p.top_k > 0 for p in params)
+    """Mask (to -inf) tokens outside each row's min-p / top-k / nucleus set, in
+    vLLM 0.32's CPU order and arithmetic (MinPLogitsProcessor, then
+    apply_top_k_top_p_pytorch), so seeded draws race over the same set: top-k
+    keeps ties with the k-th logit, top-p drops the ascending prefix whose
+    cumulative mass is <= 1 - p (never the top token)."""
+    vocab = logits.shape[-1]
+    need_k = any(0 < p.top_k < vocab for p in params)
     need_p = any(p.top_p < 1.0 for p in params)
     need_min_p = any(p.min_p > 0.0 for p in params)
     if not (need_k or need_p or need_min_p):
         return logits
-    device, vocab = logits.device, logits.shape[-1]
+    device, ninf = logits.device, float("-inf")
     if need_min_p:
         min_p = torch.tensor([p.min_p for p in params], device=device)
         probs = torch.softmax(logits, dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    if need_k or need_p:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        if need_k:
-            k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).clamp(max=vocab)
-            ranks = torch.arange(vocab, device=device)[None, :]
-            sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-        if need_p:
-            top_p = torch.tensor([p.top_p for p in params], device=device)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-            sorted_logits = sorted_logits.masked_fill(before >= top_p[:, None], float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return logits
+        threshold = probs.amax(dim=-1, keepdim=True).mul_(min_p[:, None])
+        logits = logits.masked_fill(probs < threshold, ninf)
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.long, device=device)
+    if need_k and not need_p:  # vLLM's apply_top_k_only: no full sort
+        no_k = k == vocab
+        k = k.masked_fill(no_k, 1)
+        kth = logits.topk(int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
+        kth.masked_fill_(no_k.unsqueeze(1), ninf)
+        return logits.masked_fill(logits < kth, ninf)
+    if not need_p:
+        return logits
+    logits_sort, order = logits.sort(dim=-1, descending=False)
+    if need_k:
+        kth = logits_sort.gather(1, (vocab - k).unsqueeze(1))
+        logits_sort.masked_fill_(logits_sort < kth, ninf)
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    probs_sum = torch.cumsum(logits_sort.softmax(dim=-1), dim=-1)
+    drop = probs_sum <= 1 - top_p.unsqueeze(dim=1)
+    drop[:, -1] = False
+    logits_sort.masked_fill_(drop, ninf)
+    return logits.scatter(-1, order, logits_sort)
