@@ -3,8 +3,9 @@
 for each of its outputs. A resumed request's prompt is the original prompt
 plus those tokens, marked as output (``num_output_tokens``), so the new
 scheduler recomputes them and streams only what follows: no duplicate, no
-gap. Seeded sampling draws the same tokens (the sampler keys on (seed,
-position)).
+gap. Seeded sampling draws the same tokens (the worker rebuilds a seeded
+sequence's generator and replays one draw per output token it already has,
+gpuworker/seeded.py).
 
 Parallel sampling (n > 1) resumes per sample: sample i of a request seeded
 s is exactly the single request seeded s + i (scheduler/core.py,
