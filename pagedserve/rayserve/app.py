@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                                 epilog="-- SERVE_ARGS: everything after a lone -- goes to each replica's "
                                        "`pagedserve serve` (see `pagedserve serve --help`).")
     p.add_argument("--address", default="auto",
-                   help="the Ray cluster: auto (a running one, else a local one), local, or ray://HOST:PORT")
+                   help="the Ray cluster: auto (a running one, else a new local one), local (a new local one, "
+                        "stopped on exit), HOST:PORT or ray://HOST:PORT")
     p.add_argument("--num-replicas", type=int, default=3)
     p.add_argument("--router", choices=list(ROUTERS), default="kv")
     p.add_argument("--model", default=None, help="none: the embedded SmolLM2-135M-Instruct")
@@ -74,7 +75,7 @@ def _connect(address: str) -> None:
             return
         except ConnectionError:
             address = "local"
-    ray.init(address=None if address == "local" else address, logging_level="WARNING")
+    ray.init(address=address, logging_level="WARNING")  # "local": always a new local instance
 
 
 def _stop_on_signal(signum: int, frame: Any) -> None:

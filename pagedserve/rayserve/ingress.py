@@ -12,12 +12,16 @@ common/block_hash.py) that the KV-aware router matches against what each
 replica caches. A body it cannot read is forwarded without hashes: the
 engine answers it (with its own 4xx).
 
-Its own routes: /health (the replicas' health) and /metrics (each replica's
-engine metrics with a ``replica`` label, and the router's families).
+Its own routes: /health (the replicas' health), /metrics (each replica's
+engine metrics with a ``replica`` label, and the router's families), and
+POST /pagedserve/route (a prompt or chat messages in, the chosen replica's
+gRPC address out: gRPC clients talk to the engine directly).
 
 A replica that dies, or whose engine refuses the connection, before the
 response began is replaced by another: the client sees one answer. One that
-dies mid-stream ends the stream with an OpenAI error event."""
+dies mid-stream: the stream resumes on another replica where it was cut
+(resume.py), or, where a continuation cannot reproduce it, ends with an
+OpenAI error event."""
 from __future__ import annotations
 
 import asyncio
@@ -34,6 +38,7 @@ from starlette.responses import Response, StreamingResponse
 
 from pagedserve.common.block_hash import prompt_block_hashes
 from pagedserve.rayserve import observe
+from pagedserve.rayserve.resume import StreamState
 
 log = logging.getLogger("ray.serve")
 MAX_ATTEMPTS = 4
@@ -43,6 +48,7 @@ MAX_PROMPT_CHARS = 4_000_000
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_MESSAGES = 10_000
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+ROUTE_PATH = "/pagedserve/route"  # for gRPC clients: which replica, for this prompt (docs/deployment.md)
 DROP_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
                                   "upgrade", "proxy-authorization", "proxy-connection"})
 
@@ -54,8 +60,14 @@ def error_response(status: int, message: str, code: str) -> Response:
     return Response(json.dumps(body), status_code=status, media_type="application/json")
 
 
-class _Unavailable(Exception):
-    pass
+async def _finished(state: StreamState) -> AsyncIterator[bytes]:
+    """The end of a stream whose budget was spent when its replica died: a length finish, then [DONE]."""
+    chat = state.path == "/v1/chat/completions"
+    choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"} if chat else \
+        {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+    obj = {"id": state.id, "object": "chat.completion.chunk" if chat else "text_completion",
+           "created": state.created, "model": state.model, "choices": [choice]}
+    yield f"data: {json.dumps(obj)}\n\ndata: [DONE]\n\n".encode()
 
 
 @serve.deployment
@@ -93,10 +105,12 @@ class Ingress:
 
     def _hashes(self, path: str, raw: bytes) -> list[int]:
         """The prompt's block hashes, or none for what the engine will refuse (or reads otherwise)."""
-        if path not in ROUTED_PATHS or not raw:
+        if path not in (*ROUTED_PATHS, ROUTE_PATH) or not raw:
             return []
         try:
             body = json.loads(raw)
+            if path == ROUTE_PATH and isinstance(body, dict):  # a prompt (text or ids) or chat messages
+                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
             ids = self._prompt_ids(path, body) if isinstance(body, dict) else None
         except Exception:  # noqa: BLE001 - a body or template the engine will judge; route it by load
             return []
@@ -114,11 +128,13 @@ class Ingress:
             raw += chunk
             if len(raw) > MAX_BODY_BYTES:
                 return error_response(413, f"body: larger than {MAX_BODY_BYTES} bytes", "BadRequestError")
-        hashes = await asyncio.to_thread(self._hashes, path, raw) if path in ROUTED_PATHS else []
+        hashes = await asyncio.to_thread(self._hashes, path, raw) if path in (*ROUTED_PATHS, ROUTE_PATH) else []
         query = request.url.query
         req = {"method": request.method, "path": path + (f"?{query}" if query else ""), "body": raw,
                "headers": [(k, v) for k, v in request.headers.items() if k.lower() not in DROP_REQUEST_HEADERS],
                "block_hashes": hashes}
+        if request.method == "POST" and path == ROUTE_PATH:
+            return await self._route(req)
         for attempt in range(MAX_ATTEMPTS):
             gen = self._replicas.forward.remote(req)
             try:
@@ -135,30 +151,88 @@ class Ingress:
                 break
             if "body" in head:
                 return Response(head["body"], status_code=head["status"], headers=dict(head["headers"]))
-            return StreamingResponse(self._rest(gen, head), status_code=head["status"],
+            return StreamingResponse(self._rest(gen, head, req), status_code=head["status"],
                                      headers=dict(head["headers"]))
         return error_response(503, "no replica could take the request", "ServiceUnavailableError")
 
-    async def _rest(self, gen: Any, head: dict[str, Any]) -> AsyncIterator[bytes]:
+    async def _route(self, req: dict[str, Any]) -> Response:
+        """The replica the router picks for this prompt: its gRPC address, for a client that speaks gRPC to it
+        directly. The router counts the prompt's blocks there at once, as for a forwarded request."""
+        for _ in range(MAX_ATTEMPTS):
+            try:
+                got = await self._replicas.options(stream=False).where.remote(
+                    {"headers": req["headers"], "block_hashes": req["block_hashes"]})
+            except (RayActorError, RayTaskError):
+                observe.RETRIES.inc()
+                await asyncio.sleep(self._period)
+                continue
+            return Response(got["body"], status_code=got["status"], media_type="application/json")
+        return error_response(503, "no replica could take the request", "ServiceUnavailableError")
+
+    def _count(self, text: str, ids: bool = False) -> Any:
+        out = list(self._tok.encode(text, add_special_tokens=False))
+        return out if ids else len(out)
+
+    async def _rest(self, gen: Any, head: dict[str, Any], req: dict[str, Any]) -> AsyncIterator[bytes]:
+        """The body after the head. An SSE stream goes event by event, and resumes on another replica when
+        its replica dies (resume.py); any other body ends where the replica died."""
         sse = any(k.lower() == "content-type" and "text/event-stream" in v for k, v in head["headers"])
-        try:
-            async for chunk in gen:
-                yield chunk
-        except (RayActorError, RayTaskError) as e:
-            log.warning("ingress: replica %s failed mid-response: %s", head.get("replica"),
-                        str(e).splitlines()[0][:300])
-            observe.BROKEN.inc()
-            if sse:
-                err = {"error": {"message": "the replica serving this stream failed", "type": "InternalServerError",
-                                 "param": None, "code": 500}}
-                yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        state = StreamState(req["path"].split("?", 1)[0], req["body"]) if sse else None
+        while True:
+            try:
+                async for chunk in gen:
+                    if state is None:
+                        yield chunk
+                        continue
+                    for ev in state.events(chunk):
+                        out = ev if not state.resumed else state.rewrite(ev)
+                        if out:
+                            yield out
+                return
+            except (RayActorError, RayTaskError) as e:
+                log.warning("ingress: replica %s failed mid-response: %s", head.get("replica"),
+                            str(e).splitlines()[0][:300])
+                gen = await self._resume(state, req) if state is not None else None
+                if gen is None:
+                    observe.BROKEN.inc()
+                    if state is not None:
+                        yield self._broken(state)
+                    return
+
+    async def _resume(self, state: StreamState, req: dict[str, Any]) -> Any:
+        """The continuation's stream on another replica, past its head; None if it cannot resume."""
+        if not state.resumable() or state.resumed >= MAX_ATTEMPTS:
+            return None
+        body = await asyncio.to_thread(state.continuation, self._count)
+        if body is None:  # the budget was spent: the stream is complete but for its end
+            return _finished(state)
+        state.resumed += 1
+        state.buf = b""
+        cont = {**req, "body": body, "block_hashes": await asyncio.to_thread(self._hashes, state.path, body)}
+        for _ in range(MAX_ATTEMPTS):
+            await asyncio.sleep(self._period)  # the router learns of the dead replica
+            gen = self._replicas.forward.remote(cont)
+            try:
+                head = await gen.__anext__()
+            except (RayActorError, RayTaskError):
+                continue
+            if head["status"] != 200 or "body" in head:
+                return None
+            observe.RESUMED.inc()
+            return gen
+        return None
+
+    def _broken(self, state: StreamState) -> bytes:
+        err = {"error": {"message": "the replica serving this stream failed", "type": "InternalServerError",
+                         "param": None, "code": 500}}
+        return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
 
     async def _health(self) -> Response:
         """200 while a replica can take requests. The router's view (each replica's health and load, from its
         stats), and Serve's count of replicas by state: a replica restarting shows as STARTING or RECOVERING."""
         ctx = serve.get_replica_context()
         states = await asyncio.to_thread(observe.serve_states, ctx.app_name, self._replica_deployment)
-        reps = observe.replica_states()
+        reps = [{k: v for k, v in r.items() if k != "http"} for r in observe.replica_states()]  # no addresses
         ok = any(r["healthy"] for r in reps) if reps else states.get("RUNNING", 0) > 0
         body = {"status": "ok" if ok else "unavailable", "replicas": reps, "replica_states": states}
         return Response(json.dumps(body), status_code=200 if ok else 503, media_type="application/json")

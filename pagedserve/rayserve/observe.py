@@ -25,6 +25,8 @@ HIT_BLOCKS = Histogram("pagedserve_router_prefix_hit_blocks", "Leading prompt bl
                        registry=REGISTRY)
 RETRIES = Counter("pagedserve_ingress_retries", "Requests sent again to another replica: the first failed before "
                   "its response began", registry=REGISTRY)
+RESUMED = Counter("pagedserve_ingress_resumed_streams", "Streams resumed on another replica after theirs died "
+                  "mid-stream", registry=REGISTRY)
 BROKEN = Counter("pagedserve_ingress_broken_responses", "Responses cut by a replica's failure mid-stream",
                  registry=REGISTRY)
 UNROUTABLE = Counter("pagedserve_router_skipped_replicas", "Times a replica was left out of a choice: unhealthy "
@@ -54,7 +56,7 @@ def replica_states() -> list[dict[str, Any]]:
         usable = all(router.usable(r) for router in list(_routers) if r.replica_id in router.curr_replicas)
         out.append({"replica": r.replica_id.unique_id, "healthy": usable,
                     "in_flight": stats.get("in_flight"), "cached_blocks": len(stats.get("cached_blocks", ())),
-                    "http": stats.get("http"), "grpc": stats.get("grpc")})
+                    "http": stats.get("http")})
     return sorted(out, key=lambda x: x["replica"])
 
 
@@ -104,7 +106,7 @@ async def _scrape(session: Any, url: str) -> str:
 async def metrics_text() -> str:
     import aiohttp
 
-    reps = [s for s in replica_states() if s["http"]]
+    reps = [s for s in replica_states() if s.get("http")]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as session:
         texts = await asyncio.gather(*(_scrape(session, s["http"]) for s in reps), return_exceptions=True)
     merged: dict[str, list[str]] = {}

@@ -115,8 +115,7 @@ class PagedServeReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         """What the router reads (every request_routing_stats_period_s), and the ingress's /health and /metrics."""
         return {"cached_blocks": self._cached.snapshot(), "in_flight": self._in_flight, "healthy": self._healthy(),
-                "replica": self._id, "http": self._engine.http_url, "grpc": self._engine.grpc_addr,
-                "at": time.time()}
+                "http": self._engine.http_url, "at": time.time()}
 
     def check_health(self) -> None:
         if not self._engine.alive():
@@ -154,6 +153,19 @@ class PagedServeReplica:
                     yield chunk
         finally:
             self._in_flight -= 1
+
+    async def where(self, req: dict[str, Any]) -> dict[str, Any]:
+        """For a gRPC client (docs/deployment.md): this engine's addresses, once its HTTP server accepts the
+        request's Authorization (the engine's own check: its 401 comes back as is)."""
+        try:
+            async with self._http().get(self._engine.http_url + "/v1/models", headers=req["headers"]) as resp:
+                body = await resp.read()
+                if resp.status != 200:
+                    return {"status": resp.status, "body": body}
+        except (aiohttp.ClientConnectionError, OSError) as e:
+            raise EngineUnavailable(f"replica {self._id}: the engine is not answering ({e})") from None
+        return {"status": 200, "body": msgspec.json.encode({"replica": self._id, "grpc": self._engine.grpc_addr,
+                                                            "http": self._engine.http_url})}
 
     def __del__(self) -> None:
         """Serve calls it on a graceful shutdown (serve.shutdown, a scale-down): the engine stops, its folder goes."""
