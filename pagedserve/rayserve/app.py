@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://{args.http_host}:{args.http_port}"
     try:
         _connect(args.address)
+        signal.signal(signal.SIGTERM, _stop_on_signal)  # again: ray.init puts its own (a stack dump, abort)
         serve.start(http_options={"host": args.http_host, "port": args.http_port})
         app = build_app(args.model, serve_args, args.num_replicas, args.router, args.block_size, args.replica_cpus,
                         stats_period_s=args.stats_period)
