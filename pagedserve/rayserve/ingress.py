@@ -17,8 +17,9 @@ engine metrics with a ``replica`` label, and the router's families), and
 POST /pagedserve/route (a prompt or chat messages in, the chosen replica's
 gRPC address out: gRPC clients talk to the engine directly).
 
-A replica that dies, or whose engine refuses the connection, before the
-response began is replaced by another: the client sees one answer. One that
+A replica that dies, whose engine refuses the connection, or whose engine
+answers 503 (it is starting or recovering a component), before the response
+began is replaced by another: the client sees one answer. One that
 dies mid-stream: the stream resumes on another replica where it was cut
 (resume.py), or, where a continuation cannot reproduce it, ends with an
 OpenAI error event."""
@@ -58,6 +59,14 @@ def error_response(status: int, message: str, code: str) -> Response:
     body = {"error": {"message": message, "type": code, "param": None, "code": status}, "object": "error",
             "message": message, "type": code, "param": None, "code": status}
     return Response(json.dumps(body), status_code=status, media_type="application/json")
+
+
+async def gen_close(gen: Any) -> None:
+    """Stops reading a replica's response (its stream is cancelled)."""
+    try:
+        gen.cancel()
+    except Exception:  # noqa: BLE001 - already finished
+        pass
 
 
 async def _finished(state: StreamState) -> AsyncIterator[bytes]:
@@ -149,6 +158,13 @@ class Ingress:
                 continue
             if head is None:
                 break
+            if head["status"] == 503 and attempt < MAX_ATTEMPTS - 1:  # that engine is starting or recovering
+                log.warning("ingress: %s %s: replica %s answered 503, trying another", request.method, path,
+                            head.get("replica"))
+                observe.RETRIES.inc()
+                await gen_close(gen)
+                await asyncio.sleep(self._period)  # its next stats report says it is unhealthy
+                continue
             if "body" in head:
                 return Response(head["body"], status_code=head["status"], headers=dict(head["headers"]))
             return StreamingResponse(self._rest(gen, head, req), status_code=head["status"],

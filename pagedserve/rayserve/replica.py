@@ -23,6 +23,7 @@ from pagedserve.rayserve.engine import Engine, start_engine
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
                         "transfer-encoding", "upgrade", "content-length", "date", "server", "host"})
 WHOLE_BODY_BYTES = 8 << 20  # a response with a length up to this comes back in one piece
+HEALTH_TIMEOUT_S = 2.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -106,15 +107,24 @@ class PagedServeReplica:
         self._cached = CachedBlocks(self._ctx, self._engine.kv_pub, self._engine.kv_replay)
         self._session: aiohttp.ClientSession | None = None
         self._in_flight = 0
-        self._down_since: float | None = None  # the engine refused a connection
+        self._engine_ok = True  # its /health, as of the last stats report
         self._id = serve.get_replica_context().replica_id.unique_id
 
-    def _healthy(self) -> bool:
-        return self._engine.alive() and self._down_since is None
+    async def _engine_healthy(self) -> bool:
+        """The engine's own /health: 503 while it starts or recovers a component (docs/fault-tolerance.md)."""
+        if not self._engine.alive():
+            return False
+        try:
+            async with self._http().get(self._engine.http_url + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
 
-    def record_routing_stats(self) -> dict[str, Any]:
+    async def record_routing_stats(self) -> dict[str, Any]:
         """What the router reads (every request_routing_stats_period_s), and the ingress's /health and /metrics."""
-        return {"cached_blocks": self._cached.snapshot(), "in_flight": self._in_flight, "healthy": self._healthy(),
+        self._engine_ok = await self._engine_healthy()
+        return {"cached_blocks": self._cached.snapshot(), "in_flight": self._in_flight, "healthy": self._engine_ok,
                 "http": self._engine.http_url, "at": time.time()}
 
     def check_health(self) -> None:
@@ -137,9 +147,8 @@ class PagedServeReplica:
                 resp = await self._http().request(req["method"], self._engine.http_url + req["path"],
                                                   headers=req["headers"], data=req["body"], allow_redirects=False)
             except (aiohttp.ClientConnectionError, OSError) as e:
-                self._down_since = self._down_since or time.monotonic()
+                self._engine_ok = False
                 raise EngineUnavailable(f"replica {self._id}: the engine is not answering ({e})") from None
-            self._down_since = None
             async with resp:
                 headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in resp.raw_headers
                            if k.decode("latin-1").lower() not in HOP_BY_HOP]
