@@ -174,7 +174,8 @@ def resume_probe(single: str, ingress: str, path: str, body: dict[str, Any]) -> 
                 n_before = len(events)
     return {"route": path, "killed": killed, "events_before_kill": n_before if killed else 0,
             "ray_text": _sse_text(events), "single_text": _sse_text(want), "done": events[-1] == "[DONE]",
-            "ids": len({e["id"] for e in events if isinstance(e, dict)})}
+            "ids": len({e.get("id") for e in events if isinstance(e, dict)}),
+            "errors": [e["error"] for e in events if isinstance(e, dict) and "error" in e]}
 
 
 def _kill_busy_replica(ingress: str) -> str:

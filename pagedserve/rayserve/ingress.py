@@ -218,6 +218,8 @@ class Ingress:
     async def _resume(self, state: StreamState, req: dict[str, Any]) -> Any:
         """The continuation's stream on another replica, past its head; None if it cannot resume."""
         if not state.resumable() or state.resumed >= MAX_ATTEMPTS:
+            log.warning("ingress: the stream cannot resume (%s)", "resumed too often" if state.resumed
+                        else "its body asks for what a continuation would change")
             return None
         body = await asyncio.to_thread(state.continuation, self._count)
         if body is None:  # the budget was spent: the stream is complete but for its end
@@ -225,17 +227,23 @@ class Ingress:
         state.resumed += 1
         state.buf = b""
         cont = {**req, "body": body, "block_hashes": await asyncio.to_thread(self._hashes, state.path, body)}
-        for _ in range(MAX_ATTEMPTS):
+        for _ in range(MAX_ATTEMPTS * 2):
             await asyncio.sleep(self._period)  # the router learns of the dead replica
             gen = self._replicas.forward.remote(cont)
             try:
                 head = await gen.__anext__()
-            except (RayActorError, RayTaskError):
+            except (RayActorError, RayTaskError) as e:
+                log.warning("ingress: the continuation failed: %s", str(e).splitlines()[0][:300])
                 continue
+            if head["status"] == 503:
+                await gen_close(gen)
+                continue  # that engine is recovering too: another
             if head["status"] != 200 or "body" in head:
+                log.warning("ingress: the continuation was refused: %s %s", head["status"], head.get("body"))
                 return None
             observe.RESUMED.inc()
             return gen
+        log.warning("ingress: no replica took the continuation")
         return None
 
     def _broken(self, state: StreamState) -> bytes:
