@@ -54,10 +54,10 @@ DROP_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "keep-
                                   "upgrade", "proxy-authorization", "proxy-connection"})
 
 
-def error_response(status: int, message: str, code: str) -> Response:
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   code: str | None = None) -> Response:
     """The engine's error object (frontend/errors.py), for what only the ingress can refuse."""
-    body = {"error": {"message": message, "type": code, "param": None, "code": status}, "object": "error",
-            "message": message, "type": code, "param": None, "code": status}
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return Response(json.dumps(body), status_code=status, media_type="application/json")
 
 
@@ -132,11 +132,13 @@ class Ingress:
             return await self._health()
         if request.method == "GET" and path == "/metrics":
             return Response(await observe.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")
-        raw = b""
+        buf = bytearray()
         async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                return error_response(413, f"body: larger than {MAX_BODY_BYTES} bytes", "BadRequestError")
+            buf += chunk
+            if len(buf) > MAX_BODY_BYTES:
+                return error_response(413, f"body: larger than {MAX_BODY_BYTES} bytes", "invalid_request_error",
+                                      "body")
+        raw = bytes(buf)
         hashes = await asyncio.to_thread(self._hashes, path, raw) if path in (*ROUTED_PATHS, ROUTE_PATH) else []
         query = request.url.query
         req = {"method": request.method, "path": path + (f"?{query}" if query else ""), "body": raw,
@@ -169,7 +171,8 @@ class Ingress:
                 return Response(head["body"], status_code=head["status"], headers=dict(head["headers"]))
             return StreamingResponse(self._rest(gen, head, req), status_code=head["status"],
                                      headers=dict(head["headers"]))
-        return error_response(503, "no replica could take the request", "ServiceUnavailableError")
+        return error_response(503, "no replica could take the request", "service_unavailable",
+                              code="unavailable")
 
     async def _route(self, req: dict[str, Any]) -> Response:
         """The replica the router picks for this prompt: its gRPC address, for a client that speaks gRPC to it
@@ -183,7 +186,8 @@ class Ingress:
                 await asyncio.sleep(self._period)
                 continue
             return Response(got["body"], status_code=got["status"], media_type="application/json")
-        return error_response(503, "no replica could take the request", "ServiceUnavailableError")
+        return error_response(503, "no replica could take the request", "service_unavailable",
+                              code="unavailable")
 
     def _count(self, text: str, ids: bool = False) -> Any:
         out = list(self._tok.encode(text, add_special_tokens=False))
@@ -247,8 +251,8 @@ class Ingress:
         return None
 
     def _broken(self, state: StreamState) -> bytes:
-        err = {"error": {"message": "the replica serving this stream failed", "type": "InternalServerError",
-                         "param": None, "code": 500}}
+        err = {"error": {"message": "the replica serving this stream failed", "type": "internal_server_error",
+                         "param": None, "code": "replica_failed"}}
         return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
 
     async def _health(self) -> Response:
