@@ -46,7 +46,7 @@ def test_the_answers_are_the_features_asked_for(run: dict[str, list[Any]]) -> No
     assert b["completion_logprobs"]["choices"][0]["logprobs"]["top_logprobs"]
     assert "," not in b["completion_stop"]["choices"][0]["text"]
     assert b["completion_stop"]["choices"][0]["finish_reason"] == "stop"
-    for name in ("tools_named", "tools_required", "tools_auto"):  # the tool prompt reached the model
+    for name in ("tools_named", "tools_required"):  # "auto" may answer in prose: compared above only
         assert "get_weather" in str(b[name]["choices"][0]["message"]), b[name]
     assert [e for e in b["chat_stream"] if e != "[DONE]"][-1]["usage"]["completion_tokens"] > 0
     assert b["chat_stream"][-1] == b["completion_stream"][-1] == "[DONE]"
