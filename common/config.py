@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.common import curve
+from pagedserve.common.device import cpu_kv_cache_space, resolve_device
 from pagedserve.common.env import env, env_flag, env_int
 from pagedserve.common.messages.blockmgr import DEFAULT_WATERMARK
 from pagedserve.common.rundir import default_run_dir
@@ -58,7 +59,7 @@ def default_addresses(run_dir: str | None = None) -> Addresses:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    device: str = "cpu"
+    device: str = "cpu"  # the flag's default is auto, resolved by config_from_args (common/device.py)
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # auto: the weights' dtype; fp8 (= fp8_e4m3), fp8_e5m2: kernels/fp8.py
     load_format: str = "auto"  # auto | safetensors | pt | dummy (random weights of the model's shape)
@@ -69,7 +70,7 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes; CPU default below
-    gpu_memory_utilization: float = 0.90
+    gpu_memory_utilization: float = 0.92  # vLLM 0.32's default
     swap_space: float = 0.0  # GiB of CPU swap space
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 4096
@@ -238,34 +239,36 @@ def helptext(text: str, env_name: str | None) -> str:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
 
-    def arg(*flags: str, env_name: str, default: Any, text: str, **kw: Any) -> None:
+    # env_name: a container's setting every component reads (docs/deployment.md's table); most flags have none
+    def arg(*flags: str, default: Any, text: str, env_name: str | None = None, **kw: Any) -> None:
         target = kw.pop("group", p)
         # Flag actions get their default already read from the environment (env_flag).
-        value = default if "action" in kw else env(env_name, default)
+        value = default if "action" in kw or env_name is None else env(env_name, default)
         target.add_argument(*flags, default=value, help=helptext(text, env_name), **kw)
 
     arg("--model", env_name="MODEL", default=None,
         text="local Hugging Face folder, a .gguf file, or a hub id org/name found in the local Hugging Face cache "
              "($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub; never downloaded); "
              "none: the embedded SmolLM2-135M-Instruct")
-    arg("--device", env_name="DEVICE", default=d.device, text="cpu, cuda or cuda:N")
-    arg("--dtype", env_name="DTYPE", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"],
+    arg("--device", env_name="DEVICE", default="auto",
+        text="auto (cuda when torch sees a GPU, else cpu; logged at start), cpu, cuda or cuda:N")
+    arg("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"],
         type=dtype_name, metavar="{auto,half,float16,bfloat16,float,float32}",
         text="weights and KV dtype (half: float16, float: float32); auto: bfloat16 on CUDA, float32 on CPU")
-    arg("--kv-cache-dtype", env_name="KV_CACHE_DTYPE", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+    arg("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
         text="KV cache dtype; auto: the weights' dtype; fp8 (e4m3, as vLLM) or fp8_e5m2: one byte an element, "
              "twice the blocks of a 16-bit pool in the same memory")
-    arg("--load-format", env_name="LOAD_FORMAT", default=d.load_format, choices=list(LOAD_FORMATS),
+    arg("--load-format", default=d.load_format, choices=list(LOAD_FORMATS),
         text="weights: auto (safetensors, else pytorch .bin), safetensors, pt, or dummy (random values of "
              "the model's shapes, for profiling)")
-    arg("--hf-overrides", env_name="HF_OVERRIDES", default=None, type=json_object,
+    arg("--hf-overrides", default=None, type=json_object,
         text="JSON object of config.json fields to override when loading, e.g. '{\"max_position_embeddings\": 1024}'")
-    arg("--trust-remote-code", env_name="TRUST_REMOTE_CODE", default=env_flag("TRUST_REMOTE_CODE", False),
+    arg("--trust-remote-code", default=False,
         action="store_true", text="let transformers run the model folder's own Python code for its config "
                                   "and tokenizer")
-    arg("--tokenizer", env_name="TOKENIZER", default=None,
+    arg("--tokenizer", default=None,
         text="tokenizer folder or cached hub id (chat template, prompts, structured outputs); none: the model's")
-    arg("--tokenizer-mode", env_name="TOKENIZER_MODE", default=d.tokenizer_mode,
+    arg("--tokenizer-mode", default=d.tokenizer_mode,
         choices=["auto", "hf", "slow", "mistral"],
         text="auto/hf: the fast tokenizer where there is one; slow: use_fast=False; mistral: refused")
     arg("--block-size", env_name="BLOCK_SIZE", default=d.block_size, type=int, choices=[8, 16, 32],
@@ -276,46 +279,43 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     arg("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", env_name="KV_CACHE_MEMORY",
         default=None, type=parse_size, group=mem,
         text="bytes for the KV pool, e.g. 512MiB or 1073741824; none: --gpu-memory-utilization on CUDA, "
-             "a fixed size on CPU")
-    arg("--gpu-memory-utilization", env_name="GPU_MEMORY_UTILIZATION", default=d.gpu_memory_utilization,
-        type=float, text="share of GPU memory for weights, activations and the KV pool")
-    arg("--swap-space", env_name="SWAP_SPACE", default=d.swap_space, type=float, text="GiB of CPU swap space")
+             "on CPU $VLLM_CPU_KVCACHE_SPACE GiB (vLLM's variable; it overrides this flag, as in vLLM), else 4 GiB")
+    arg("--gpu-memory-utilization", default=d.gpu_memory_utilization,
+        type=float, text="share of the GPU's total memory for this engine, as vLLM's: the KV pool gets it less "
+                         "the weights, the profiled activation peak and memory outside torch")
+    arg("--swap-space", default=d.swap_space, type=float, text="GiB of CPU swap space")
     arg("--max-num-seqs", env_name="MAX_NUM_SEQS", default=d.max_num_seqs, type=int,
         text="sequences in one batch at most")
-    arg("--max-num-batched-tokens", env_name="MAX_NUM_BATCHED_TOKENS", default=d.max_num_batched_tokens,
+    arg("--max-num-batched-tokens", default=d.max_num_batched_tokens,
         type=int, text="tokens in one step at most")
-    arg("--enable-chunked-prefill", env_name="ENABLE_CHUNKED_PREFILL",
-        default=env_flag("ENABLE_CHUNKED_PREFILL", d.enable_chunked_prefill), action=argparse.BooleanOptionalAction,
+    arg("--enable-chunked-prefill", default=d.enable_chunked_prefill, action=argparse.BooleanOptionalAction,
         text="split a long prompt's prefill over steps of --max-num-batched-tokens; off: the step budget "
              "grows to the model's length and a prompt is prefilled whole")
-    arg("--max-num-partial-prefills", env_name="MAX_NUM_PARTIAL_PREFILLS", default=None, type=int,
+    arg("--max-num-partial-prefills", default=None, type=int,
         text="prompts split over steps at once (vLLM V0's flag); any N >= 1 holds: at most one is split at a time")
-    arg("--max-model-len", env_name="MAX_MODEL_LEN", default=None, type=int,
+    arg("--max-model-len", default=None, type=int,
         text="prompt plus output tokens at most; none: the model's own")
-    arg("--enable-prefix-caching", env_name="ENABLE_PREFIX_CACHING",
-        default=env_flag("ENABLE_PREFIX_CACHING", d.enable_prefix_caching), action=argparse.BooleanOptionalAction,
+    arg("--enable-prefix-caching", default=d.enable_prefix_caching, action=argparse.BooleanOptionalAction,
         text="share the KV blocks of common prompt prefixes")
-    # The earlier spelling, kept working.
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="same as --no-enable-prefix-caching")
-    arg("--disable-hybrid-kv-cache-manager", env_name="DISABLE_HYBRID_KV_CACHE_MANAGER",
-        default=env_flag("DISABLE_HYBRID_KV_CACHE_MANAGER", d.disable_hybrid_kv_cache_manager), action="store_true",
+    arg("--disable-hybrid-kv-cache-manager", default=d.disable_hybrid_kv_cache_manager, action="store_true",
         text="keep every block of sliding-window layers (one table per sequence for all layers) instead of "
              "freeing those outside the window")
-    arg("--kv-watermark", env_name="KV_WATERMARK", default=d.kv_watermark, type=float,
+    arg("--kv-watermark", default=d.kv_watermark, type=float,
         text="share of KV blocks kept free when admitting new requests")
-    arg("--preemption-mode", env_name="PREEMPTION_MODE", default=d.preemption_mode,
+    arg("--preemption-mode", default=d.preemption_mode,
         choices=["recompute", "swap", "auto"], text="how a preempted request gives back its blocks")
-    arg("--async-scheduling", env_name="ASYNC_SCHEDULING", default=d.async_scheduling, nargs="?", const="on",
+    arg("--async-scheduling", default=d.async_scheduling, nargs="?", const="on",
         choices=["auto", "on", "off"],
         text="plan the next step while the worker runs this one (the same tokens as without); "
              "auto: on with CUDA, off on CPU, where it would take cores from the worker")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const="off",
                    help="same as --async-scheduling off")
-    arg("--attention-backend", env_name="ATTENTION_BACKEND", default=d.attention_backend,
+    arg("--attention-backend", default=d.attention_backend,
         choices=["auto", "torch", "triton"], text="auto: triton on CUDA, torch on CPU")
-    arg("--seed", env_name="SEED", default=d.seed, type=int, text="seed of the sampler's generators")
-    arg("--structured-outputs-config", env_name="STRUCTURED_OUTPUTS_CONFIG", default=d.structured_outputs_config,
+    arg("--seed", default=d.seed, type=int, text="seed of the sampler's generators")
+    arg("--structured-outputs-config", default=d.structured_outputs_config,
         type=parse_structured_outputs_config, metavar="JSON",
         text='vLLM\'s structured-output settings, e.g. \'{"disable_any_whitespace": true}\' (compact JSON '
              'outputs); backend auto or xgrammar')
@@ -324,12 +324,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         text='vLLM\'s KV cache events, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
              '"replay_endpoint": "tcp://*:5558"}\': the blockmgr publishes BlockStored/BlockRemoved/'
              'AllBlocksCleared batches as vLLM does (msgpack over ZeroMQ PUB); default endpoint loopback')
-    arg("--prefix-caching-hash-algo", env_name="PREFIX_CACHING_HASH_ALGO", default=d.prefix_caching_hash_algo,
+    arg("--prefix-caching-hash-algo", default=d.prefix_caching_hash_algo,
         text="vLLM's flag: KV events carry vLLM's sha256_cbor block hashes (seeded by $PYTHONHASHSEED, as "
              "vLLM's); sha256 is accepted as the same, xxhash refused")
-    arg("--enforce-eager", env_name="ENFORCE_EAGER", default=env_flag("ENFORCE_EAGER", False),
+    arg("--enforce-eager", default=False,
         action="store_true", text="never capture CUDA graphs")
-    arg("--tensor-parallel-size", "-tp", env_name="TENSOR_PARALLEL_SIZE", default=d.tensor_parallel_size,
+    arg("--tensor-parallel-size", "-tp", default=d.tensor_parallel_size,
         type=int, text="GPUs one model is sharded over")
     # Not PAGEDSERVE_WORKER: that is the worker's address (default_addresses, compose).
     arg("--worker", env_name="WORKER_KIND", default=d.worker, choices=["model", "sim"],
@@ -340,7 +340,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None or k == "model"})
+    values = {k: v for k, v in vars(args).items() if k in names and v is not None or k == "model"}
+    values["device"] = resolve_device(values.get("device", "auto"))[0]
+    space = cpu_kv_cache_space() if values["device"] == "cpu" and values.get("num_gpu_blocks") is None else None
+    # vLLM's CPU platform: the variable sets kv_cache_memory_bytes
+    return EngineConfig(**{**values, **({"kv_cache_memory": space} if space is not None else {})})
 
 
 def add_address_args(p: argparse.ArgumentParser) -> None:

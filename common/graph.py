@@ -1,4 +1,4 @@
-"""Graph helpers shared by the grammar checks (frontend/structured.py: left
+"""Graph helpers shared by the grammar checks (frontend/core/structured.py: left
 recursion of an EBNF) and the import-boundary test."""
 from __future__ import annotations
 

@@ -239,7 +239,7 @@ class FrontendMetrics:
             return self._tokens
 
     def request_series(self) -> list[Counter | Histogram]:
-        """The series vLLM has under the same base name (frontend/vllm_metrics.py renames them)."""
+        """The series vLLM has under the same base name (frontend/core/vllm_metrics.py renames them)."""
         out: list[Counter | Histogram] = [
             self.prompt_tokens, self.prompt_tokens_cached, self.prompt_tokens_by_source, self.generation_tokens,
             self.request_success, self.iteration_tokens, self.ttft, self.itl, self.tpot, self.e2e, self.queue_time,

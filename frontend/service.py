@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import logging
 import sys
@@ -21,16 +22,18 @@ from pagedserve.common.config import (EXIT_PORT_IN_USE, RUN_HEALTH_PREFIX, add_a
                                        shutdown_timeout_default)
 from pagedserve.common.default_model import resolve_model
 from pagedserve.common.metrics import FrontendMetrics, add_metrics_arg, serve_metrics
-from pagedserve.frontend import http_gateway
-from pagedserve.frontend.auth import load_keys
-from pagedserve.frontend.engine_client import EngineClient
-from pagedserve.frontend.generation import FrontendConfig, GenerationService
-from pagedserve.frontend.openai_args import add_openai_args, build_options, check_openai_args
-from pagedserve.frontend.server import SERVICE_NAME, health_status, serve, server_credentials
-from pagedserve.frontend.shutdown import StopSignals, drain
-from pagedserve.frontend.stats_log import log_stats_every
-from pagedserve.frontend.tokenizer import load as load_tokenizer
-from pagedserve.frontend.vllm_metrics import add_vllm_metrics
+from pagedserve.frontend.openai_api import http_gateway, reasoning
+from pagedserve.frontend.core.auth import load_keys
+from pagedserve.frontend.core.engine_client import EngineClient
+from pagedserve.frontend.core.generation import FrontendConfig, GenerationService
+from pagedserve.frontend.openai_api.openai_args import add_openai_args, build_options, check_openai_args
+from pagedserve.frontend.openai_api.reasoning.args import ALIASES, add_reasoning_args
+from pagedserve.frontend.grpc_api.server import SERVICE_NAME, health_status, serve, server_credentials
+from pagedserve.frontend.openai_api.server_flags import add_server_flags, server_flags
+from pagedserve.frontend.core.shutdown import StopSignals, drain
+from pagedserve.frontend.core.stats_log import log_stats_every
+from pagedserve.frontend.core.tokenizer import load as load_tokenizer
+from pagedserve.frontend.core.vllm_metrics import add_vllm_metrics
 
 log = logging.getLogger("pagedserve.frontend")
 _AIOHTTP_LEVELS = {"trace": logging.DEBUG}  # uvicorn's names otherwise map onto logging's
@@ -53,6 +56,14 @@ async def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(resolve_model(cfg.tokenizer) if cfg.tokenizer else model_dir,
                                slow=cfg.tokenizer_mode == "slow", trust_remote_code=cfg.trust_remote_code)
     opts = build_options(args, model_dir, len(tokenizer))
+    if args.reasoning_parser is not None:  # refused at start when the tokenizer lacks its markers
+        args.reasoning_parser = ALIASES.get(args.reasoning_parser, args.reasoning_parser)
+        try:
+            reasoning.check(args.reasoning_parser, tokenizer.get_vocab(), cfg.model or model_dir,
+                            opts.tool_call_parser)
+        except ValueError as e:
+            raise SystemExit(f"pagedserve frontend: error: {e}") from None
+        opts = dataclasses.replace(opts, reasoning_parser=args.reasoning_parser)
     if opts.chat_template is not None:
         tokenizer.chat_template = opts.chat_template  # chat, /tokenize and gRPC all render through it
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -93,6 +104,7 @@ async def run(args: argparse.Namespace) -> int:
         ssl_ctx = http_gateway.ssl_context(args.tls_cert, args.tls_key) if args.tls_cert else None
         gw = http_gateway.Gateway(svc, keys, metrics.registry, lambda: engine.healthy, served, opts=opts)
         gw.before_metrics = vllm_metrics.refresh
+        gw.flags = server_flags(args)
         try:
             gateway_runner = await http_gateway.start(gw, args.host, args.http_port, ssl_ctx)
         except OSError as e:
@@ -168,6 +180,8 @@ def main(argv: list[str]) -> int:
                    help="no scheduler answer within this: NOT_SERVING (a lost scheduler: open streams end unless one is back)")
     p.add_argument("--engine-timeout", type=float, default=1800.0, help="seconds to wait for the engine to start")
     add_openai_args(p)
+    add_reasoning_args(p)
+    add_server_flags(p)
     args = p.parse_args(argv)
     check_addresses(addresses_from_args(args), "frontend")  # fail fast: before anything loads
     try:

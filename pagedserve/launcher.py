@@ -25,6 +25,7 @@ from pagedserve.common.env import env as read_env
 from pagedserve.common.hub_cache import ModelNotFound
 from pagedserve.common.lifecycle import StopFlag, die_with_parent
 from pagedserve.common.model_check import engine_refusal
+from pagedserve.frontend.openai_api.server_flags import server_flags_argv
 from pagedserve.serve_args import ServeArgs, parse_serve_args
 
 COMPONENTS = ("blockmgr", "gpuworker", "scheduler", "frontend")
@@ -65,7 +66,8 @@ def wait_healthy(addr: str, timeout_s: float, alive: Callable[[], bool], service
 
 def _frontend_args(sa: ServeArgs) -> list[str]:
     out = ["--host", sa.host, "--port", str(sa.grpc_port), "--http-port", str(sa.http_port),
-           "--served-model-name", *sa.served_model_names, *sa.frontend_flags]
+           "--served-model-name", *sa.served_model_names, *sa.frontend_flags,
+           *(server_flags_argv(sa.openai) if sa.openai is not None else ())]
     if sa.api_key_file:
         out += ["--api-key-file", sa.api_key_file]
     if sa.tls_cert and sa.tls_key:
@@ -84,6 +86,10 @@ def ports_taken(sa: ServeArgs) -> str | None:
 
 def main(argv: list[str]) -> int:
     sa = parse_serve_args(argv)
+    for note in sa.notes:  # the device it serves on, and each vLLM flag that has no effect here
+        print(f"pagedserve: {note}", file=sys.stderr, flush=True)
+    if sa.download_dir:  # vLLM's --download-dir: hub ids are looked up there (resolve_model)
+        os.environ["HF_HUB_CACHE"] = sa.download_dir
     refused = engine_refusal(sa.cfg, sa.revision)
     if refused:
         print(f"pagedserve serve: error: {refused}", file=sys.stderr, flush=True)

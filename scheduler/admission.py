@@ -4,23 +4,22 @@ The frontend validates every field against the documented bounds; this is
 the engine's boundary: whatever reaches the scheduler socket (a bug, or a
 stray peer) must not make the worker fail a step that holds other users'
 requests. So the fields a step depends on are checked again, cheaply, and a
-request that breaks one is refused with an error delta of its own.
+request that breaks one is refused with an error delta of its own. The
+sampling fields' bounds are the frontend's, from the one table
+(common/request_fields.py); the caps on n and beam_width are the frontend's
+flags, which the scheduler does not see: it holds them to ``MAX_N``.
 """
 from __future__ import annotations
 
 import math
 
-from pagedserve.common.bounds import (MAX_ABS_LENGTH_PENALTY, MAX_ABS_PENALTY, MAX_LOGPROBS, MAX_REPETITION_PENALTY,
-                                       MAX_SEED, MAX_TEMPERATURE, MIN_POSITIVE)
+from pagedserve.common import request_fields
 from pagedserve.common.messages.frontend import AddRequest
 from pagedserve.common.messages.types import ModelInfo
 
 MAX_N = 256  # far above the frontend's caps; bounds per-request work only
+MAX_STOP_IDS = 1 << 16  # above any --max-stop-ids an operator sets; bounds per-step work only
 MAX_ID_LEN = 1024
-
-
-def _finite_in(x: float, lo: float, hi: float) -> bool:
-    return math.isfinite(x) and lo <= x <= hi
 
 
 def check_add(req: AddRequest, model: ModelInfo) -> str | None:
@@ -29,8 +28,8 @@ def check_add(req: AddRequest, model: ModelInfo) -> str | None:
     vocab = model.vocab_size
     if not req.request_id or len(req.request_id) > MAX_ID_LEN:
         return "request_id: empty or too long"
-    if req.cache_salt is not None and len(req.cache_salt) > MAX_ID_LEN:
-        return "cache_salt: too long"
+    if req.cache_salt is not None and (why := request_fields.violation({"cache_salt": req.cache_salt}, {})):
+        return why
     ids = req.prompt_token_ids
     if not ids or len(ids) >= model.max_model_len:
         return f"prompt: {len(ids)} tokens; must be 1 .. {model.max_model_len - 1}"
@@ -38,23 +37,16 @@ def check_add(req: AddRequest, model: ModelInfo) -> str | None:
         return f"prompt: token ids must be in [0, {vocab})"
     if not 0 <= req.num_output_tokens < len(ids) or (req.num_output_tokens and (p.n > 1 or p.beam_width > 1)):
         return "num_output_tokens: out of range (resuming needs n = 1 and no beam search)"
-    if p.max_tokens < 1 or not 0 <= p.min_tokens <= p.max_tokens:
-        return "max_tokens/min_tokens: out of range"
-    if not 1 <= p.n <= MAX_N or not 0 <= p.beam_width <= MAX_N or (p.beam_width > 1 and p.n > p.beam_width):
-        return "n/beam_width: out of range"
-    if not (_finite_in(p.temperature, 0.0, MAX_TEMPERATURE) and _finite_in(p.top_p, MIN_POSITIVE, 1.0)
-            and _finite_in(p.min_p, 0.0, 1.0) and 0 <= p.top_k <= vocab):
-        return "temperature/top_p/min_p/top_k: out of range"
-    if not (_finite_in(p.repetition_penalty, MIN_POSITIVE, MAX_REPETITION_PENALTY)
-            and _finite_in(p.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
-            and _finite_in(p.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
-            and _finite_in(p.length_penalty, -MAX_ABS_LENGTH_PENALTY, MAX_ABS_LENGTH_PENALTY)):
-        return "penalties: out of range"
-    if p.seed is not None and not 0 <= p.seed <= MAX_SEED:
-        return "seed: out of range"
-    for name, k in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
-        if k is not None and not 0 <= k <= MAX_LOGPROBS:
-            return f"{name}: out of range"
+    if not 0 <= p.top_k <= vocab:  # the engine's form: the frontend maps -1 and k past the vocabulary to 0
+        return f"top_k: must be in [0, {vocab}], got {p.top_k}"
+    if p.beam_width > 1 and p.n > p.beam_width:
+        return "n/beam_width: n exceeds beam_width"
+    limits = {"vocab_size": vocab, "max_model_len": model.max_model_len, "max_n": MAX_N, "max_beam_width": MAX_N,
+              "max_stop_ids": MAX_STOP_IDS}
+    values = {name: getattr(p, name) for name in request_fields.TABLE if hasattr(p, name)}
+    why = request_fields.violation(values, limits)
+    if why is not None:
+        return why
     if any(not 0 <= t < vocab for t in p.stop_token_ids):
         return "stop_token_ids: outside the vocabulary"
     if any(not 0 <= t < vocab or not math.isfinite(v) for t, v in p.logit_bias.items()):

@@ -13,14 +13,17 @@ owns (``Scheduler.carry``), next to the ``StepPlan`` each step passes along.
 A step moves its plan through ``plan.StepPhase`` in one order (``Scheduler``
 checks it): BLOCKS (rounds with the blockmgr) -> SETTLED -> SENT (the worker
 runs it) -> APPLIED. A result applies only to the plan in flight, and only
-with that plan's step id.
+with that plan's step id (``land``).
+
+``StepCarry`` is the one writer of its fields: the scheduler's parts owe it
+frees, drops and forks through its methods, and read the rest.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from pagedserve.common.messages import blockmgr as bm
-from pagedserve.scheduler.plan import StepPlan
+from pagedserve.scheduler.plan import StepOrderError, StepPhase, StepPlan
 
 
 @dataclass
@@ -32,6 +35,34 @@ class StepCarry:
 
     def __bool__(self) -> bool:
         return bool(self.forks or self.frees or self.drops or self.in_flight is not None)
+
+    def owe_free(self, seq_id: int, num_blocks: int) -> None:
+        """The next request frees the sequence, which gives back about ``num_blocks``."""
+        self.frees[seq_id] = num_blocks
+
+    def owe_drop(self, seq_id: int) -> None:
+        """The next ExecuteStep drops the sequence's worker state."""
+        self.drops.append(seq_id)
+
+    def owe_fork(self, fork: bm.Fork) -> None:
+        """A new beam: the next request forks it from its parent (before the parent's Free)."""
+        self.forks.append(fork)
+
+    def send(self, plan: StepPlan) -> None:
+        """``plan``'s ExecuteStep went to the worker: it is the plan in flight."""
+        if self.in_flight is not None:
+            raise StepOrderError("build_execute: the step in flight is not applied yet")
+        self.in_flight = plan
+
+    def land(self, plan: StepPlan, step_id: int | None, call: str) -> None:
+        """The plan in flight, and only it, takes its result (``step_id``: the
+        result's, None for a failed step); it is applied from now on."""
+        plan.expect(StepPhase.SENT, call)
+        if self.in_flight is not plan:
+            raise StepOrderError(f"{call}: step {plan.step_id} is not the step in flight")
+        if step_id is not None and step_id != plan.step_id:
+            raise StepOrderError(f"{call}: the result of step {step_id} for step {plan.step_id}")
+        self.in_flight, plan.phase = None, StepPhase.APPLIED
 
     def take_memory_ops(self) -> tuple[list[bm.Op], int]:
         """The next request's leading ops (forks first: a new beam's parent may

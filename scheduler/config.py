@@ -1,5 +1,5 @@
 """The scheduler's settings and the pool size it plans against. Their own module
-so that the scheduler's mixins (preemption, results, intake) and ``core``
+so that the scheduler's parts (preemption, results, intake, ...) and ``core``
 import them without importing each other."""
 from __future__ import annotations
 

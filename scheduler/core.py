@@ -14,58 +14,138 @@ passed along, never kept on the scheduler:
 
 Normally that is one blockmgr round trip per step; when a running sequence
 finds no room, the reply drives a second round that preempts the latest
-arrivals (last come, first preempted, whole groups) and retries
-(``preemption.py``). Applying the worker's result is ``results.py``; adding
-and aborting requests and the per-sequence bookkeeping is ``intake.py``.
+arrivals (last come, first preempted, whole groups) and retries. Planning and
+sending a step are here; the other parts are collaborators, each the one
+writer of its own state: ``requests.py`` (groups, sequences, queues),
+``carry.py`` (what a step leaves for the next), ``grammar_gate.py``,
+``finish.py`` (ending requests; the deltas owed), ``preemption.py`` (the
+preemption count); ``intake.py`` (add, abort, requeue), ``replies.py`` (the
+blockmgr's reply) and ``results.py`` (the worker's result) keep none.
 """
 from __future__ import annotations
 
 import itertools
-import time
-from collections import deque
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq  # not the scheduler's Sequence
 
 from pagedserve.common.blocks import cdiv
 from pagedserve.common.messages import blockmgr as bm
 from pagedserve.common.messages import worker as wk
-from pagedserve.common.messages.frontend import ErrorKind, TokenDelta
+from pagedserve.common.messages.frontend import AddRequest, TokenDelta
 from pagedserve.scheduler.carry import StepCarry
 from pagedserve.scheduler.config import PoolSize, SchedulerConfig
+from pagedserve.scheduler.finish import Finisher
 from pagedserve.scheduler.grammar_gate import GrammarGate
 from pagedserve.scheduler.intake import Intake
-from pagedserve.scheduler.plan import StepOrderError, StepPhase, StepPlan
-from pagedserve.scheduler.preemption import Preemption
-from pagedserve.scheduler.results import Results
-from pagedserve.scheduler.sequence import FinishReason, Sequence, SequenceGroup, SeqStatus
-
-
-def _answers(ops: list[bm.Op]) -> list[tuple[bm.Op, int]]:
-    """(op, seq id) for each entry of the StepReply that answers ``ops``."""
-    return [(op, sid) for op in ops for sid in bm.answered_seq_ids(op)]
+from pagedserve.scheduler.plan import StepOrderError, StepPhase, StepPlan, append_op
+from pagedserve.scheduler.preemption import Preemptor
+from pagedserve.scheduler.replies import BlockReplies, answers, must_settle
+from pagedserve.scheduler.requests import Requests
+from pagedserve.scheduler.results import StepResults, worker_params
+from pagedserve.scheduler.sequence import Sequence, SequenceGroup, SeqStatus
 
 
 class BlockReplyMismatch(ValueError):
     """A StepReply whose results do not pair with the request's ops."""
 
 
-class Scheduler(Intake, Preemption, Results):
+class Scheduler:
+    """The scheduler's one interface, driven by ``EngineCore``. It plans and
+    sends steps and owns what planning needs (the pool size, the blockmgr's
+    last counts, the step count); each other piece of state has one owner
+    among its parts: ``Requests`` (groups, sequences, the queues),
+    ``StepCarry``, ``GrammarGate``, ``Finisher`` (the deltas owed) and
+    ``Preemptor`` (the preemption count). ``Intake``, ``BlockReplies`` and
+    ``StepResults`` hold none (docs/architecture.md, "The scheduler's parts")."""
+
     def __init__(self, cfg: SchedulerConfig, pool: PoolSize) -> None:
         self.cfg = cfg
         self.pool = pool
-        self.waiting: deque[SequenceGroup] = deque()
-        self.running: list[SequenceGroup] = []  # arrival order
-        self.swapped: list[SequenceGroup] = []
-        self.groups: dict[str, SequenceGroup] = {}
-        self._seq_group: dict[int, SequenceGroup] = {}
-        self._seqs: dict[int, Sequence] = {}
-        self._seq_ids = itertools.count(1)
-        self._arrivals = itertools.count()
-        self._step_ids = itertools.count()
-        self.carry = StepCarry()  # what a step leaves for the next (carry.py)
-        self._deltas: list[TokenDelta] = []  # produced outside a worker step (errors, aborts)
         self.block_stats: bm.BlockStats | None = None  # the blockmgr's, from its last reply
-        self.grammars = GrammarGate()  # requests whose grammar the worker still compiles
-        self.num_preemptions = 0
         self.num_steps = 0
+        self._step_ids = itertools.count()
+        self.requests = Requests()
+        self.carry = StepCarry()
+        self.grammars = GrammarGate()
+        self.finisher = Finisher(cfg, self.requests, self.carry)
+        self.preemptor = Preemptor(cfg, self.requests, self.carry, self.finisher)
+        self._intake = Intake(cfg, self.requests, self.grammars, self.carry, self.finisher)
+        self._results = StepResults(cfg, self.requests, self.carry, self.finisher)
+        self._replies = BlockReplies(self.requests, self.finisher, self.preemptor)
+
+    # ------------------------------------------------------------ what the engine reads
+    @property
+    def waiting(self) -> Seq[SequenceGroup]:
+        return self.requests.waiting
+
+    @property
+    def running(self) -> Seq[SequenceGroup]:
+        return self.requests.running
+
+    @property
+    def swapped(self) -> Seq[SequenceGroup]:
+        return self.requests.swapped
+
+    @property
+    def groups(self) -> Mapping[str, SequenceGroup]:
+        return self.requests.groups
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemptor.num_preemptions
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued for scheduling, or for their grammar (vLLM counts both as waiting)."""
+        return len(self.requests.waiting) + len(self.grammars.waiting)
+
+    def has_work(self) -> bool:
+        r = self.requests
+        return bool(r.waiting or r.running or r.swapped or self.carry or self.grammars.waiting)
+
+    def resize(self, pool: PoolSize) -> None:
+        """A restarted worker sized its pools anew (``EngineCore.recover``)."""
+        self.pool = pool
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, req: AddRequest) -> None:
+        self._intake.add(req, self.pool)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._intake.abort(request_ids)
+
+    def requeue_all(self) -> int:
+        """Recovery by recompute (docs/fault-tolerance.md): the gpuworker or the
+        blockmgr lost its state, so every running and swapped group goes back
+        to waiting with no K/V and no blocks, and resumes by recomputing its
+        prompt plus the tokens generated so far, as a recompute preemption
+        does. The components were reset, so nothing is owed (carry cleared),
+        and a step in flight is forgotten (its result never came, so none of
+        its tokens were emitted). Returns how many groups were in flight."""
+        n = self._intake.requeue_all()
+        self.block_stats = None
+        return n
+
+    def take_deltas(self) -> list[TokenDelta]:
+        return self.finisher.take()
+
+    def put_back(self, deltas: list[TokenDelta]) -> None:
+        """Deltas taken but not delivered: the next ``take_deltas`` returns them first."""
+        self.finisher.put_back(deltas)
+
+    # ------------------------------------------------------------ results
+    def on_step_result(self, plan: StepPlan, result: wk.StepResult) -> list[TokenDelta]:
+        self.carry.land(plan, result.step_id, "on_step_result")
+        self._intake.on_grammars(result.grammars)
+        self._results.apply(plan, result)
+        return self.finisher.take()
+
+    def on_step_failed(self, plan: StepPlan, message: str) -> list[TokenDelta]:
+        """The worker failed the step: fail the requests it held, keep serving."""
+        self.carry.land(plan, None, "on_step_failed")
+        self.grammars.unask(plan.compile)
+        self._results.fail(plan, message)
+        return self.finisher.take()
 
     # ------------------------------------------------------------ planning
     def _fork_children(self, group: SequenceGroup) -> list[bm.Op]:
@@ -75,19 +155,20 @@ class Scheduler(Intake, Preemption, Results):
         parent = group.seqs[0]
         ops: list[bm.Op] = []
         for i in range(1, group.params.n):
-            child = Sequence(next(self._seq_ids), i, list(parent.token_ids), parent.num_prompt_tokens,
+            child = Sequence(self.requests.new_seq_id(), i, list(parent.token_ids), parent.num_prompt_tokens,
                              parent.num_computed_tokens, status=SeqStatus.RUNNING,
                              num_unknown_slots=parent.num_unknown_slots)
             group.seqs.append(child)
-            self._track(group, child)
+            self.requests.track(group, child)
             ops.append(bm.Fork(parent.seq_id, child.seq_id))
         group.needs_fork = False
         return ops
 
     def schedule(self) -> StepPlan | None:
         """Plan a step: every memory op of it, in order, in ``plan.request``; None if idle."""
+        requests = self.requests
         ops, freed = self.carry.take_memory_ops()
-        for group in self.running:
+        for group in requests.running:
             if group.needs_fork and group.tokens_to_compute(group.seqs[0]) == 0:
                 ops += self._fork_children(group)
         plan = StepPlan(bm.StepRequest(ops), compile=self.grammars.take_asks())
@@ -103,7 +184,7 @@ class Scheduler(Intake, Preemption, Results):
         max_len = self.cfg.max_model_len
         G = self.cfg.num_kv_groups  # every KV cache group takes a block at the same boundaries
         hybrid = bool(self.cfg.kv_group_windows)  # prefill chunks may be cut (_chunk_cap)
-        for group in self.running:
+        for group in requests.running:
             live = group.live_seqs
             if group.beam is not None and any(s.num_pending for s in live):
                 continue  # its next beams are chosen from the step in flight
@@ -114,20 +195,20 @@ class Scheduler(Intake, Preemption, Results):
                 if k <= 0 or (seq.num_pending and group.long_enough(seq, max_len)):
                     continue
                 budget -= k
-                ops.append(self._append_op(seq, k))
+                ops.append(append_op(seq, k))
                 if room is not None:
                     room -= G * max(0, cdiv(seq.num_computed_tokens + k, bs) - seq.num_blocks)
-        num_seqs = sum(g.batch_width for g in self.running)
+        num_seqs = sum(g.batch_width for g in requests.running)
         # Swapped groups resume before new admissions.
-        for group in self.swapped:
+        for group in requests.swapped:
             live = group.live_seqs
             if num_seqs + len(live) > self.cfg.max_num_seqs:
                 break
             ops.append(bm.SwapIn([s.seq_id for s in live]))
             num_seqs += len(live)
             plan.admitted.append(group)
-        if not self.swapped:
-            for group in self.waiting:
+        if not requests.swapped:
+            for group in requests.waiting:
                 width = group.batch_width
                 if budget <= 0 or num_seqs + width > self.cfg.max_num_seqs:
                     break
@@ -164,85 +245,19 @@ class Scheduler(Intake, Preemption, Results):
     def must_settle(plan: StepPlan, reply: bm.StepReply) -> bool:
         """Applying ``reply`` may preempt (an Append or SwapOut found no room):
         with async scheduling, the step in flight must be applied first."""
-        if all(r is None or r.status is bm.Status.OK for r in reply.results):
-            return False
-        return any(type(op) in (bm.Append, bm.SwapOut) and r is not None and r.status is not bm.Status.OK
-                   for (op, _), r in zip(_answers(plan.request.ops), reply.results))
+        return must_settle(plan, reply)
 
     def on_block_reply(self, plan: StepPlan, reply: bm.StepReply) -> bm.StepRequest | None:
         """Apply the blockmgr's answer to ``plan.request``; returns the next
         round's request (preemption, releases), or None when the step is settled."""
         plan.expect(StepPhase.BLOCKS, "on_block_reply")
-        if self.carry.in_flight is not None and self.must_settle(plan, reply):
+        if self.carry.in_flight is not None and must_settle(plan, reply):
             raise StepOrderError("on_block_reply: this reply preempts; apply the step in flight first")
-        pairs = _answers(plan.request.ops)
+        pairs = answers(plan.request.ops)
         if len(pairs) != len(reply.results):
             raise BlockReplyMismatch(f"{len(reply.results)} results for {len(pairs)} answers expected")
         self.block_stats = reply.stats
-        plan.copies += reply.copies
-        plan.swap_in += reply.swap_in
-        plan.swap_out += reply.swap_out
-        failed: list[tuple[Sequence, int]] = []
-        unchanged: list[tuple[Sequence, int]] = []  # appends that needed no block
-        refused: set[str] = set()
-        swap_refused: list[SequenceGroup] = []
-        for (op, sid), res in zip(pairs, reply.results):
-            if type(op) is bm.Free:
-                continue
-            seq = self._seqs.get(sid)
-            if seq is None or seq.is_finished:
-                # Async scheduling: the step that was in flight finished it
-                # (must_settle); its Free is queued, and releases these slots too.
-                continue
-            if type(op) is bm.Append:
-                n = len(op.token_ids)  # the first fill slots reserved for unknown tokens
-                k = n - min(n, seq.num_unknown_slots) + op.num_lookahead
-                if res is None or res.status is bm.Status.OK:
-                    plan.unknown_slots[sid] = op.num_lookahead
-                if res is None:
-                    unchanged.append((seq, k))
-                elif res.status is bm.Status.OK:
-                    self._apply_table(plan, seq, res)
-                    plan.scheduled[sid] = (seq, res.num_scheduled_tokens)
-                else:
-                    failed.append((seq, k))
-            elif type(op) is bm.Fork:
-                assert res is not None
-                self._apply_table(plan, seq, res)
-                plan.new_seqs.append(seq)
-            elif type(op) is bm.SwapOut:
-                assert res is not None
-                group = self._seq_group[sid]
-                if res.status is bm.Status.OK:
-                    seq.num_blocks = 0
-                elif group not in swap_refused:
-                    swap_refused.append(group)
-            else:  # Allocate, SwapIn: all or nothing per group
-                assert res is not None
-                group = self._seq_group[sid]
-                if res.status is not bm.Status.OK or group.request_id in refused:
-                    refused.add(group.request_id)
-                    continue
-                self._apply_table(plan, seq, res)
-                if type(op) is bm.SwapIn:
-                    seq.status = SeqStatus.RUNNING
-                else:
-                    seq.num_computed_tokens = res.num_cached_tokens
-                    plan.scheduled[sid] = (seq, res.num_scheduled_tokens)
-                    plan.new_seqs.append(seq)
-        # Batch order: sequences whose table changed, in reply order, then the others.
-        for seq, k in unchanged:
-            plan.scheduled[seq.seq_id] = (seq, k)
-        # A refused group's sequences that did get blocks free them in this
-        # same step (an extra round): their blocks hold no K/V, and freed before
-        # the next step's commit they never become prefix-cache hits.
-        more: list[bm.Op] = [bm.Free(sid) for sid in self._settle_admissions(plan, refused)]
-        for group in swap_refused:
-            # No CPU room: fall back to recomputation for this group.
-            self.swapped.remove(group)
-            more += self._recompute(group)
-        if failed:
-            more += self._preempt_for(plan, failed)
+        more = self._replies.apply(plan, pairs, reply, self.pool.num_cpu_blocks)
         plan.request = bm.StepRequest(more, continues_step=True)
         if not more:
             plan.phase = StepPhase.SETTLED
@@ -263,79 +278,23 @@ class Scheduler(Intake, Preemption, Results):
             c //= 2
         return max(c, cfg.block_size)
 
-    @staticmethod
-    def _append_op(seq: Sequence, k: int) -> bm.Append:
-        """Slots for the next ``k`` tokens. The ids the blockmgr lacks go with
-        it: those of its unknown slots first; a token still being sampled
-        (async scheduling) gets a lookahead slot."""
-        n = seq.num_computed_tokens
-        known = min(len(seq.token_ids), n + k)
-        return bm.Append(seq.seq_id, seq.token_ids[n - seq.num_unknown_slots:known], n + k - known)
-
-    @staticmethod
-    def _apply_table(plan: StepPlan, seq: Sequence, res: bm.SeqResult) -> None:
-        """Relay the blockmgr's diff to the worker; keep only the table's length
-        (group 0's: every KV cache group's table has the same length)."""
-        if res.group_diffs:  # a hybrid KV cache: one diff per group whose table changed
-            seq.num_blocks = res.table_start + len(res.block_ids)
-            plan.block_diffs += [wk.BlockDiff(seq.seq_id, start, list(ids), g) for g, start, ids in res.group_diffs]
-            return
-        if not res.block_ids and res.table_start == seq.num_blocks:
-            return
-        seq.num_blocks = res.table_start + len(res.block_ids)
-        plan.block_diffs.append(wk.BlockDiff(seq.seq_id, res.table_start, list(res.block_ids)))
-
-    def _settle_admissions(self, plan: StepPlan, refused: set[str]) -> list[int]:
-        """Admits the groups that got everything; returns the seq ids to free."""
-        frees: list[int] = []
-        for group in plan.admitted:
-            if group.request_id in refused:
-                # All or nothing per group: release what part of it got.
-                for s in group.live_seqs:
-                    plan.scheduled.pop(s.seq_id, None)
-                    if s in plan.new_seqs:
-                        plan.new_seqs.remove(s)
-                        frees.append(s.seq_id)
-                        s.num_blocks, s.num_computed_tokens = 0, 0
-                continue
-            if group in self.swapped:
-                self.swapped.remove(group)
-            else:
-                self.waiting.remove(group)
-                if group.queue_time_s is None:
-                    group.queue_time_s = max(0.0, time.time() - group.arrival_time)
-                    group.num_cached_tokens = group.seqs[0].num_computed_tokens  # Allocate set it to the hit
-            for s in group.live_seqs:
-                s.status = SeqStatus.RUNNING
-            self.running.append(group)
-        self.running.sort(key=lambda g: g.arrival_order)
-        if refused and not self.running and not self.swapped and self.waiting:
-            head = self.waiting[0]
-            if head.request_id in refused and (self.block_stats is None or
-                                               self.block_stats.num_free_gpu_blocks == self.block_stats.num_gpu_blocks):
-                # Nothing else holds memory, so waiting cannot help: fail instead of hanging.
-                self.waiting.popleft()
-                self._finish_group(head, FinishReason.ERROR, "request does not fit in the KV cache",
-                                   ErrorKind.KV_CACHE)
-        plan.admitted = []
-        return frees
-
     def build_execute(self, plan: StepPlan) -> wk.ExecuteStep | None:
         """The worker's half of the plan; None when nothing is left to run.
         Sent, it is the plan in flight until its result is applied."""
         plan.expect(StepPhase.SETTLED, "build_execute")
-        if self.carry.in_flight is not None:
+        if self.carry.in_flight is not None:  # checked again by carry.send, before anything changed
             raise StepOrderError("build_execute: the step in flight is not applied yet")
         new_seqs = []
         for seq in plan.new_seqs:
-            group = self._seq_group[seq.seq_id]
+            group = self.requests.group_of(seq.seq_id)
+            assert group is not None
             # Its blocks follow as diffs (applied after new_seqs): the worker's
             # table is built from the blockmgr's diffs only.
             new_seqs.append(wk.NewSeq(seq.seq_id, list(seq.token_ids), seq.num_computed_tokens,
-                                      self._worker_params(group, seq), seq.num_prompt_tokens))
+                                      worker_params(group, seq), seq.num_prompt_tokens))
             seq.known_to_worker = True
         # A sequence freed or recomputed later in the step is not (or no longer) the worker's.
-        diffs = [d for d in plan.block_diffs if (s := self._seqs.get(d.seq_id)) is not None and s.known_to_worker]
+        diffs = [d for d in plan.block_diffs if (s := self.requests.seq(d.seq_id)) is not None and s.known_to_worker]
         # One that finished meanwhile (async scheduling: a stop token in the step
         # before) does not run; its slots are freed with it.
         scheduled = []
@@ -356,6 +315,6 @@ class Scheduler(Intake, Preemption, Results):
             return None
         self.num_steps += 1
         plan.step_id, plan.phase = next(self._step_ids), StepPhase.SENT
-        self.carry.in_flight = plan
+        self.carry.send(plan)
         return wk.ExecuteStep(plan.step_id, new_seqs, diffs, scheduled, drops,
                               plan.copies, plan.swap_in, plan.swap_out, plan.compile)

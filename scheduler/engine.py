@@ -245,7 +245,7 @@ class EngineCore:
         retry(lambda: self._worker_call(wk.ResetWorker(), RECOVERY_ATTEMPT_S))
         if (ready.num_gpu_blocks, ready.num_cpu_blocks) != (self.ready.num_gpu_blocks, self.ready.num_cpu_blocks):
             # A restarted worker may size its pool differently (free GPU memory moved).
-            self.scheduler.pool = PoolSize(ready.num_usable_gpu_blocks, ready.num_cpu_blocks)
+            self.scheduler.resize(PoolSize(ready.num_usable_gpu_blocks, ready.num_cpu_blocks))
         self.ready = ready
         retry(lambda: self._block_call(bm.InitRequest(ready.num_gpu_blocks, ready.num_cpu_blocks, ready.block_size,
                                                       self.cfg.enable_prefix_caching, self.cfg.kv_watermark,

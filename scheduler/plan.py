@@ -56,3 +56,12 @@ class StepPlan:
             self.scheduled.pop(s.seq_id, None)
             if s in self.new_seqs:
                 self.new_seqs.remove(s)
+
+
+def append_op(seq: Sequence, k: int) -> bm.Append:
+    """Slots for the sequence's next ``k`` tokens. The ids the blockmgr lacks
+    go with it: those of its unknown slots first; a token still being sampled
+    (async scheduling) gets a lookahead slot."""
+    n = seq.num_computed_tokens
+    known = min(len(seq.token_ids), n + k)
+    return bm.Append(seq.seq_id, seq.token_ids[n - seq.num_unknown_slots:known], n + k - known)

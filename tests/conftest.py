@@ -12,7 +12,14 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pagedserve  # noqa: E402,F401 - takes the repository root off sys.path before transformers looks for `kernels`
+# The repository's benchmarks/ (outside the wheel): imported while the root is on sys.path,
+# its modules are then found through the package, after pagedserve takes the root off.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+import benchmarks  # noqa: E402,F401 - imports pagedserve, which takes the repository root off sys.path before transformers looks for `kernels`
+import pagedserve  # noqa: E402,F401
+
+sys.path[:] = [p for p in sys.path if p != _ROOT]  # also where pagedserve is installed from elsewhere
 
 
 @pytest.fixture(autouse=True, scope="session")

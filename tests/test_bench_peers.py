@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from models import make_tiny_model
 
-from pagedserve.bench import peers
+from benchmarks import peers
 
 
 def _result(out: str) -> dict:
@@ -109,17 +109,43 @@ def test_rounds_rotate_the_engine_order() -> None:
 
 
 def test_serving_peer_ratios_and_missing_vllm_venv(tmp_path: Path) -> None:
-    from pagedserve.bench import serving
-    from pagedserve.bench.vllm_server import start_vllm_serve
+    from benchmarks import serving
+    from benchmarks.vllm_server import start_vllm_serve
 
     q = {"mean": 1.0, "p50": 10.0, "p90": 1.0, "p99": 40.0}
     ours = {k: dict(q) for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")}
     peer = {k: {**q, "p50": 20.0, "p99": 20.0} for k in ours}
     peer["e2e_ms"]["p99"] = None
-    r = serving._ratios(ours, peer)
+    r = serving.ratios(ours, peer)
     assert r["ttft_ms_p50"] == 0.5 and r["itl_ms_p99"] == 2.0 and r["e2e_ms_p99"] is None
     with pytest.raises(FileNotFoundError, match="setup-peers"):
         start_vllm_serve("/nonexistent", "m", 64, 4, python=tmp_path / "bin" / "python")
+
+
+def test_benchmarks_serving_compares_over_http_only() -> None:
+    """`python -m benchmarks serving` is `pagedserve bench serving` plus the vLLM step, which needs
+    the HTTP API: without --http or --launch it stops before any load is sent."""
+    from benchmarks import serving
+
+    with pytest.raises(SystemExit, match="over HTTP"):
+        serving.main(["--num-requests", "1"])
+
+
+def test_python_m_benchmarks_lists_and_runs_by_name() -> None:
+    """From the repository root, as the docs run it: the harnesses by name, helpers refused."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    run = lambda *a: subprocess.run([sys.executable, "-m", "benchmarks", *a], cwd=root, capture_output=True,  # noqa: E731
+                                    text=True, timeout=120)
+    listing = run("--help")
+    assert listing.returncode == 0 and "peers" in listing.stdout and "vllm-diff" in listing.stdout, listing
+    assert "peer-engines" not in listing.stdout and "vllm-server" not in listing.stdout
+    helper = run("vllm_server")
+    assert helper.returncode == 2 and "no such benchmark" in helper.stderr, helper
+    peers_help = run("peers", "--help")
+    assert peers_help.returncode == 0 and "python -m benchmarks peers" in peers_help.stdout, peers_help
 
 
 def test_chart_without_matplotlib_is_skipped_not_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -136,7 +162,7 @@ def test_set_paused_stops_and_continues_a_whole_process_tree() -> None:
     import sys
     import time
 
-    from pagedserve.bench.peer_engines import proc_stat, process_tree, set_paused
+    from benchmarks.peer_engines import proc_stat, process_tree, set_paused
 
     # A parent with a child in its own process group, as serve's components are.
     code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
@@ -168,7 +194,7 @@ def test_set_paused_stops_and_continues_a_whole_process_tree() -> None:
 
 
 def test_the_long_prompt_workload_shares_a_system_prompt() -> None:
-    from pagedserve.bench.peers import LONG_SYSTEM_TOKENS, build_workload
+    from benchmarks.peers import LONG_SYSTEM_TOKENS, build_workload
 
     work = build_workload("long", 32, 0, 1000, 4096, None)
     assert len(work) == 32 and {o for _, o in work} == {128}

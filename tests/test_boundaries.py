@@ -146,6 +146,19 @@ def test_no_component_imports_another_or_the_cli_layer() -> None:
     assert not bad, "imports across component boundaries:\n" + "\n".join(bad)
 
 
+def test_frontend_core_imports_no_protocol_layer() -> None:
+    """The frontend's core serves both APIs: it never imports the OpenAI layer, and of the gRPC
+    layer only its request decoding (the core's request type is gRPC's message)."""
+    allowed = {"pagedserve.frontend.grpc_api.grpc_decode"}
+    bad = [f"{MODULES[i.source].relative_to(ROOT)}:{i.line} imports {i.target}" for i in IMPORTS
+           if i.source.startswith("pagedserve.frontend.core")
+           and i.target.startswith(("pagedserve.frontend.openai_api", "pagedserve.frontend.grpc_api"))
+           and i.target not in allowed]
+    assert not bad, "the frontend's core imports a protocol layer:\n" + "\n".join(bad)
+    assert any(i.source.startswith("pagedserve.frontend.openai_api") and i.target.startswith(
+        "pagedserve.frontend.core") for i in IMPORTS), "the walk sees no import of the core at all"
+
+
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module."""
     return sorted(sorted(c) for c in strongly_connected(edges) if len(c) > 1)
@@ -170,10 +183,10 @@ def test_no_circular_import() -> None:
     assert not cycles, "circular imports:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
-# Late loops still there, each as its sorted modules: frontend/structured.py imports
+# Late loops still there, each as its sorted modules: frontend/core/structured.py imports
 # validation.ValidationError, while validation.sampling_params imports structured inside the
 # function. Breaking it takes ValidationError into a module both import (structured.py's change).
-KNOWN_LATE_CYCLES: set[tuple[str, ...]] = {("pagedserve.frontend.structured", "pagedserve.frontend.validation")}
+KNOWN_LATE_CYCLES: set[tuple[str, ...]] = {("pagedserve.frontend.core.structured", "pagedserve.frontend.core.validation")}
 
 
 def test_no_circular_import_even_through_late_imports() -> None:
@@ -211,16 +224,16 @@ _FRONTEND_MODULES_CHILD = r"""
 import pkgutil, sys
 
 import pagedserve.frontend
-from pagedserve.frontend import service  # the component's entry point, as `pagedserve frontend`
-for m in pkgutil.iter_modules(pagedserve.frontend.__path__, "pagedserve.frontend."):
+from pagedserve.frontend import service
+for m in pkgutil.walk_packages(pagedserve.frontend.__path__, "pagedserve.frontend."):
     __import__(m.name)
 from pagedserve.common.config import default_addresses
 from pagedserve.common.metrics import FrontendMetrics
-from pagedserve.frontend import http_gateway, openai_structured
-from pagedserve.frontend.auth import ApiKeys
-from pagedserve.frontend.engine_client import EngineClient
-from pagedserve.frontend.generation import FrontendConfig, GenerationService
-from pagedserve.frontend.server import GenerationServicer
+from pagedserve.frontend.openai_api import http_gateway, openai_structured
+from pagedserve.frontend.core.auth import ApiKeys
+from pagedserve.frontend.core.engine_client import EngineClient
+from pagedserve.frontend.core.generation import FrontendConfig, GenerationService
+from pagedserve.frontend.grpc_api.server import GenerationServicer
 from pagedserve.v1 import generation_pb2 as pb
 
 # The app objects start-up builds (no tokenizer: loading one is transformers', see below).
@@ -244,7 +257,7 @@ def test_the_frontend_package_does_not_import_torch(tmp_path: Path) -> None:
 
 
 def test_validating_a_structured_output_spec_does_not_import_torch(tmp_path: Path) -> None:
-    """xgrammar's parse runs in the frontend's grammar-check child (frontend/grammar_check.py)."""
+    """xgrammar's parse runs in the frontend's grammar-check child (frontend/core/grammar_check.py)."""
     heavy = _heavy_modules(_FRONTEND_MODULES_CHILD, str(tmp_path / "run"), "structured", cwd=tmp_path)
     assert not heavy, f"validating a JSON schema in the frontend imported {heavy[:10]}"
 
@@ -294,3 +307,48 @@ def test_the_frontend_process_starts_without_torch(tmp_path: Path) -> None:
     heavy = _heavy_modules(_FRONTEND_PROCESS_CHILD, str(model), str(_free_port()), str(_free_port()),
                            cwd=tmp_path, env=env)
     assert not heavy, f"the frontend process imported {heavy[:10]}"
+
+
+# ---------------------------------------------------------------- the wheel and benchmarks/
+def _wheel_package_dirs() -> dict[str, Path]:
+    """Every package the wheel ships, as pyproject.toml maps it to a folder."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = tool.get("package-dir", {})
+    out = {}
+    for pkg in tool["packages"]:
+        parent = pkg  # a package not named in package-dir sits under its parent's folder
+        while parent not in dirs and "." in parent:
+            parent = parent.rpartition(".")[0]
+        base = ROOT / dirs.get(parent, parent.replace(".", "/"))
+        out[pkg] = base.joinpath(*pkg[len(parent):].strip(".").split(".")) if pkg != parent else base
+    return out
+
+
+def _imports_benchmarks(source: str) -> list[int]:
+    """Lines that import the top-level ``benchmarks`` package (at any depth, late ones too)."""
+    lines = []
+    for node, _late in _walk(ast.parse(source).body, False):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            ([node.module or ""] if node.level == 0 else [])
+        if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_engine_does_not_import_benchmarks() -> None:
+    """benchmarks/ (peer harnesses, vLLM diffs, guidellm, experiments) imports the engine, never
+    the other way: it is not in the wheel (tests/test_wheel.py)."""
+    assert _imports_benchmarks("import benchmarks.peers\ndef f():\n    from benchmarks import serving\n") == [1, 3]
+    assert _imports_benchmarks("from . import benchmarks\nimport benchmarksx\n") == []
+    dirs = _wheel_package_dirs()
+    assert "benchmarks" not in dirs and not any(p.startswith("benchmarks") for p in dirs)
+    assert {"pagedserve", "pagedserve.bench", "pagedserve.frontend", "pagedserve.common"} <= set(dirs)
+    bad, seen = [], 0
+    for pkg, folder in dirs.items():
+        for path in sorted(folder.glob("*.py")):  # this package's own modules; subpackages are listed too
+            seen += 1
+            bad += [f"{path.relative_to(ROOT)}:{n}" for n in _imports_benchmarks(path.read_text())]
+    assert seen > 100, seen
+    assert not bad, "the engine imports benchmarks/:\n" + "\n".join(bad)

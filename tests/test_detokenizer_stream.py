@@ -13,7 +13,7 @@ flags, byte-fallback tokens) and stop strings, streamed and not:
 * vLLM 0.32's own detokenizer (``FastIncrementalDetokenizer``, stop strings
   included) in the peer venv, where it is installed.
 
-Tokenizers: the embedded SmolLM2 (byte-level BPE; frontend/tokenizer.py's and
+Tokenizers: the embedded SmolLM2 (byte-level BPE; frontend/core/tokenizer.py's and
 transformers'), the tests' tiny byte-level tokenizer, and a SentencePiece-style
 one built here whose CJK and emoji are byte-fallback tokens (<0xE6>...).
 """
@@ -31,8 +31,8 @@ from tokenizers import decoders
 
 from models import train_tokenizer
 from pagedserve.common.messages import frontend as fe
-from pagedserve.frontend.detokenizer import IncrementalDetokenizer, decode_whole
-from pagedserve.frontend.outputs import Chunk, OutputState, merge_into
+from pagedserve.frontend.core.detokenizer import IncrementalDetokenizer, decode_whole
+from pagedserve.frontend.core.outputs import Chunk, OutputState, merge_into
 
 PEERS = Path(__file__).resolve().parents[1] / ".venv-peers"
 TEXTS = [
@@ -76,7 +76,7 @@ def _smollm2(hf: bool) -> Any:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(folder)
-    from pagedserve.frontend.tokenizer import load
+    from pagedserve.frontend.core.tokenizer import load
 
     return load(folder)
 
@@ -266,7 +266,7 @@ def test_same_text_and_stops_as_vllm(tok: Any, tmp_path: Path) -> None:
     if hasattr(tok, "save_pretrained"):
         folder = str(tmp_path / "tok")
         tok.save_pretrained(folder)
-    else:  # frontend/tokenizer.py's: the folder it read
+    else:  # frontend/core/tokenizer.py's: the folder it read
         from pagedserve.common.default_model import resolve_model
 
         folder = resolve_model(None)

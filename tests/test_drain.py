@@ -53,7 +53,7 @@ def not_serving(addr: str) -> bool:
 def test_components_lead_their_own_process_groups_in_the_launchers_session(tiny: str) -> None:
     """Own process groups: a terminal's Ctrl-C reaches only the launcher, which drains.
     The launcher's session: one autogroup, not one per component (launcher.py says why)."""
-    from pagedserve.bench.peer_engines import process_tree
+    from benchmarks.peer_engines import process_tree
 
     with serve(tiny, *SIM, session=True) as s:
         children = process_tree(s.proc.pid)[1:]

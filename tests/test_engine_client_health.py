@@ -17,7 +17,7 @@ import zmq.asyncio
 from pagedserve.common.config import default_addresses
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages.types import ModelInfo, SamplingParams
-from pagedserve.frontend.engine_client import EngineClient
+from pagedserve.frontend.core.engine_client import EngineClient
 
 INFO = fe.EngineInfo(0, ModelInfo("fake", 100, 512, (0,), 1, 1, 1, "float32", "cpu"), 8, 10, 0, 4, 64)
 enc = msgspec.msgpack.Encoder()

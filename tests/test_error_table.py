@@ -21,12 +21,12 @@ from grpc_health.v1 import health
 
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.metrics import FrontendMetrics
-from pagedserve.frontend import http_gateway
-from pagedserve.frontend.auth import ApiKeys
-from pagedserve.frontend.engine_client import EngineClient
-from pagedserve.frontend.error_table import ENGINE_ERRORS, REJECTIONS, RejectReason
-from pagedserve.frontend.generation import FrontendConfig, GenerationService
-from pagedserve.frontend.server import serve
+from pagedserve.frontend.openai_api import http_gateway
+from pagedserve.frontend.core.auth import ApiKeys
+from pagedserve.frontend.core.engine_client import EngineClient
+from pagedserve.frontend.core.error_table import ENGINE_ERRORS, REJECTIONS, RejectReason
+from pagedserve.frontend.core.generation import FrontendConfig, GenerationService
+from pagedserve.frontend.grpc_api.server import serve
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from models import train_tokenizer

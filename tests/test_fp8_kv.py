@@ -196,7 +196,7 @@ def test_worker_with_fp8_pool_same_on_both_backends(tmp_path, kind: str) -> None
     interpreter) with an fp8 pool: both backends store the same bits and
     dequantize alike, so they pick the same tokens with the same logprobs; and
     the fp8 pool stays near an fp32 pool."""
-    from pagedserve.bench.kv_fp8 import compare, greedy
+    from benchmarks.kv_fp8 import compare, greedy
 
     folder = make_tiny_model(tmp_path / "m")
     batch = [[5 + i, 9, 17 + 2 * i, 4, 30 + i] * (i + 1) for i in range(4)]
@@ -215,7 +215,7 @@ def test_smollm2_greedy_with_fp8_kv() -> None:
     torch emulation (K/V rounded to e4m3 in an fp32 pool) gives 16 of 32, and
     even bf16 KV only 30 of 32; so the bounds below guard the implementation,
     and the acceptance's 90 % is reported as not met (xfail)."""
-    from pagedserve.bench.kv_fp8 import accuracy
+    from benchmarks.kv_fp8 import accuracy
 
     r = accuracy(64, 16, ["fp8"])["fp8"]
     print(r)
@@ -229,7 +229,7 @@ def test_smollm2_greedy_with_fp8_kv() -> None:
 @pytest.mark.skipif(not os.environ.get("PAGEDSERVE_BENCH_FP8"),
                     reason="opt-in: PAGEDSERVE_BENCH_FP8=1 (two fresh servers per round, a few minutes on two cores)")
 def test_kv_limited_workload_is_faster_with_fp8() -> None:
-    from pagedserve.bench.kv_fp8 import throughput
+    from benchmarks.kv_fp8 import throughput
 
     r = throughput("16MiB", 32, 64, rounds=1)
     print(r)
@@ -240,7 +240,7 @@ def test_bench_kv_fp8_accuracy_in_the_models_dtype(capsys: pytest.CaptureFixture
     """``--dtype bfloat16``: the model and the baseline pool in bf16 (the
     acceptance's 16-bit KV), not the fp32 run under another label; and
     ``--close-top`` reaches the close count."""
-    from pagedserve.bench.kv_fp8 import accuracy, main
+    from benchmarks.kv_fp8 import accuracy, main
 
     assert main(["--dtype", "bfloat16", "--skip-throughput", "--requests", "4", "--accuracy-tokens", "3",
                  "--kinds", "fp8", "--close-top", "2"]) == 0
@@ -257,7 +257,7 @@ def test_logprobs_close_is_vllms_check() -> None:
     """Identical runs pass; a run that differs passes only when, at its first
     difference, each token is in the other's top logprobs; later positions are
     not compared (the contexts differ there)."""
-    from pagedserve.bench.kv_fp8 import Run, logprobs_close
+    from benchmarks.kv_fp8 import Run, logprobs_close
 
     def run(tokens: list[int], tops: list[list[int]]) -> Run:
         return Run(tokens, [0.0] * len(tokens), [{t: -1.0 for t in top} for top in tops])

@@ -18,16 +18,16 @@ from models import make_tiny_model
 from pagedserve.common.config import default_addresses
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages.types import ModelInfo
-from pagedserve.frontend.engine_client import EngineClient
-from pagedserve.frontend.generation import FrontendConfig, GenerationService
-from pagedserve.frontend.http_response import sse
-from pagedserve.frontend.sse_writes import SseBatch
+from pagedserve.frontend.core.engine_client import EngineClient
+from pagedserve.frontend.core.generation import FrontendConfig, GenerationService
+from pagedserve.frontend.openai_api.http_response import sse
+from pagedserve.frontend.openai_api.sse_writes import SseBatch
 from pagedserve.v1 import generation_pb2 as pb
 
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from pagedserve.frontend.tokenizer import load
+    from pagedserve.frontend.core.tokenizer import load
 
     return load(make_tiny_model(tmp_path_factory.mktemp("m"), "llama"))
 

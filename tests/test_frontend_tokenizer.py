@@ -1,4 +1,4 @@
-"""The frontend's own tokenizer (frontend/tokenizer.py, no transformers, no
+"""The frontend's own tokenizer (frontend/core/tokenizer.py, no transformers, no
 torch) against transformers' AutoTokenizer on the embedded SmolLM2 and the
 tests' tiny tokenizer: the same ids (with and without special tokens), the
 same decoded text, the same token strings, special tokens and vocabulary, and
@@ -17,8 +17,8 @@ from models import train_tokenizer
 from transformers import AutoTokenizer
 
 from pagedserve.common.default_model import resolve_model
-from pagedserve.frontend import tokenizer as ftok
-from pagedserve.frontend.chat_template import render_chat
+from pagedserve.frontend.core import tokenizer as ftok
+from pagedserve.frontend.core.chat_template import render_chat
 
 TEXTS = ["", "Hello world", "a <mask> and a <tool> token", "  leading and trailing  ", "héllo wörld 世界 🙂 \u00a0x", "a\n\n\tb\r\n c",
          "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n", "<|endoftext|>x<|endoftext|>",
@@ -169,8 +169,8 @@ def test_a_folder_without_tokenizer_json_falls_back_to_transformers(tmp_path: Pa
 
 def test_generation_config_sampling_fields_as_transformers_reads_them(tmp_path: Path) -> None:
     """tokenizer_files.generation_file_values against openai_args.generation_defaults (transformers')."""
-    from pagedserve.frontend.openai_args import SAMPLING_FIELDS, generation_defaults
-    from pagedserve.frontend.tokenizer_files import generation_file_values
+    from pagedserve.frontend.openai_api.openai_args import SAMPLING_FIELDS, generation_defaults
+    from pagedserve.frontend.core.tokenizer_files import generation_file_values
 
     def expected(folder: str) -> dict[str, Any]:
         out = generation_defaults("auto", folder, None)

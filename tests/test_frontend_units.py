@@ -4,7 +4,7 @@ logprobs / n > 1 / beam replace, admission bounds and API keys, driven
 through GenerationService with a scripted engine."""
 from __future__ import annotations
 
-from pagedserve.frontend.error_table import RejectReason
+from pagedserve.frontend.core.error_table import RejectReason
 
 import asyncio
 import time
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from models import make_tiny_model
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages.types import ModelInfo
-from pagedserve.frontend.auth import ApiKeys, load_keys
-from pagedserve.frontend.generation import FrontendConfig, GenerationService, Rejected
-from pagedserve.frontend.outputs import OutputState, StopChecker
-from pagedserve.frontend.validation import ValidationError
+from pagedserve.frontend.core.auth import ApiKeys, load_keys
+from pagedserve.frontend.core.generation import FrontendConfig, GenerationService, Rejected
+from pagedserve.frontend.core.outputs import OutputState, StopChecker
+from pagedserve.frontend.core.validation import ValidationError
 from pagedserve.v1 import generation_pb2 as pb
 
 
@@ -196,7 +196,7 @@ def test_every_sampling_field_reaches_the_engine(tok: Any) -> None:
 
 
 def test_n_outputs_logprobs_and_beam_replace_are_mapped(tok: Any) -> None:
-    from pagedserve.frontend.server import chunk_pb
+    from pagedserve.frontend.grpc_api.server import chunk_pb
 
     async def go() -> None:
         svc, eng = _svc(tok)
@@ -287,8 +287,8 @@ def test_big_texts_tokenize_to_the_same_ids(tmp_path: Path) -> None:
     """The fast path for big texts (no offsets) gives the tokenizer's own ids."""
     from transformers import AutoTokenizer
 
-    from pagedserve.frontend.generation import BIG_INPUT, GenerationService
-    from pagedserve.frontend.prompt_bound import max_chars_per_token
+    from pagedserve.frontend.core.generation import BIG_INPUT, GenerationService
+    from pagedserve.frontend.core.prompt_bound import max_chars_per_token
 
     tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path, "llama", seed=0))
     svc = GenerationService(None, tok, None)  # type: ignore[arg-type]
@@ -304,7 +304,7 @@ def test_no_length_bound_for_tokenizers_that_drop_characters() -> None:
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from pagedserve.frontend.prompt_bound import max_chars_per_token
+    from pagedserve.frontend.core.prompt_bound import max_chars_per_token
 
     def fast(t: Tokenizer) -> PreTrainedTokenizerFast:
         return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]")

@@ -25,9 +25,9 @@ from models import make_tiny_model
 from pagedserve.bench.structured import CHOICES, REGEX, SCHEMA, TOOL_PARAMS
 from pagedserve.common import grammar as g
 from pagedserve.common.messages.types import StructuredSpec
-from pagedserve.frontend import openai_structured
-from pagedserve.frontend import structured as fs
-from pagedserve.frontend.validation import ValidationError
+from pagedserve.frontend.openai_api import openai_structured
+from pagedserve.frontend.core import structured as fs
+from pagedserve.frontend.core.validation import ValidationError
 from pagedserve.v1 import generation_pb2 as pb
 
 FIELD = "sampling_params.structured_outputs"

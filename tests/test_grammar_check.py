@@ -1,4 +1,4 @@
-"""The frontend's grammar-check child (frontend/grammar_check.py): xgrammar's
+"""The frontend's grammar-check child (frontend/core/grammar_check.py): xgrammar's
 parse of a spec, out of the frontend process, gives what the in-process parse
 gives (the printed grammar, or xgrammar's refusal); a child that dies is
 replaced for the next spec; and the process that asks never imports xgrammar."""
@@ -13,7 +13,7 @@ import pytest
 
 from pagedserve.common.grammar_spec import parse_grammar
 from pagedserve.common.messages.types import StructuredSpec
-from pagedserve.frontend.grammar_check import GrammarChecker, GrammarSyntaxError
+from pagedserve.frontend.core.grammar_check import GrammarChecker, GrammarSyntaxError
 
 SPECS = [StructuredSpec("regex", "[a-z]+@[a-z]+\\.com"), StructuredSpec("json", '{"type": "object"}', True),
          StructuredSpec("grammar", 'start: "a" | "b"'), StructuredSpec("choice", '["yes", "no"]'),
@@ -51,7 +51,7 @@ def test_a_dead_child_is_replaced(checker: GrammarChecker) -> None:
 
 def test_the_asking_process_does_not_import_xgrammar(tmp_path: Path) -> None:
     code = ("import sys\nfrom pagedserve.common.messages.types import StructuredSpec\n"
-            "from pagedserve.frontend.grammar_check import parse_grammar\n"
+            "from pagedserve.frontend.core.grammar_check import parse_grammar\n"
             "assert 'root ::=' in parse_grammar(StructuredSpec('regex', 'a+'))\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('xgrammar', 'torch', 'tvm_ffi')))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=tmp_path)

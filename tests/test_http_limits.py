@@ -16,7 +16,7 @@ import pytest
 
 from e2e_util import Server, free_port, serve
 from models import make_tiny_model
-from pagedserve.frontend.http_json import MAX_JSON_DEPTH
+from pagedserve.frontend.openai_api.http_json import MAX_JSON_DEPTH
 
 HEADER_TIMEOUT_S = 4.0
 BODY_TIMEOUT_S = 3.0

@@ -15,7 +15,7 @@ import pytest
 
 from e2e_util import Server, free_port, serve
 from models import make_tiny_model
-from pagedserve.frontend.chat_template import render_chat
+from pagedserve.frontend.core.chat_template import render_chat
 
 PROMPT = "The quick brown fox"
 MESSAGES = [{"role": "system", "content": "You are terse."},
@@ -132,7 +132,7 @@ def test_errors_have_the_openai_shape(gw: tuple[Server, str], client: openai.Ope
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5, temperature=-1)
     err = e.value.body
-    assert e.value.status_code == 400 and err["param"] == "temperature" and "[0.0, 100.0]" in err["message"]
+    assert e.value.status_code == 400 and err["param"] == "temperature" and "[0.0, 2.0]" in err["message"]
     assert err["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as e2:
         client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=100000)

@@ -1,7 +1,7 @@
 """Every folder of Python source ships in the installed package. A non-editable
 install (the image's) holds only the packages pyproject.toml lists, so a
 subpackage missing there imports in the editable dev venv and fails in the
-image (``frontend/tool_parsers`` did: the image's frontend exited at start)."""
+image (``frontend/openai_api/tool_parsers`` did: the image's frontend exited at start)."""
 from __future__ import annotations
 
 import tomllib

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pagedserve.common.messages import frontend as fe
 from pagedserve.common.messages.types import SamplingParams
-from pagedserve.frontend.resume import ResumeBook
+from pagedserve.frontend.core.resume import ResumeBook
 
 
 def delta(rid: str, index: int, ids: list[int], reason: str | None = None) -> fe.TokenDelta:

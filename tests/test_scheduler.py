@@ -211,7 +211,7 @@ def test_request_that_can_never_fit_gets_an_error() -> None:
     errs = {d.request_id: d.error for d in out if d.finish_reason == "error"}
     assert "big" in errs and "KV blocks" in errs["big"]
     assert "grows" in errs and "outgrew" in errs["grows"]
-    # The kind, not the text, picks the status code (frontend/error_table.ENGINE_ERRORS).
+    # The kind, not the text, picks the status code (frontend/core/error_table.ENGINE_ERRORS).
     assert {d.error_kind for d in out if d.finish_reason == "error"} == {ErrorKind.KV_CACHE}
     assert_all_free(core, blocks)
 

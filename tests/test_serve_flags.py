@@ -23,7 +23,7 @@ import pytest
 from e2e_util import Server, serve
 from models import make_tiny_model
 from pagedserve.common.config import EngineConfig, add_engine_args, config_from_args, engine_argv
-from pagedserve.frontend.openai_args import add_openai_args, build_options, generation_defaults, openai_argv
+from pagedserve.frontend.openai_api.openai_args import add_openai_args, build_options, generation_defaults, openai_argv
 from pagedserve.launcher import _frontend_args
 from pagedserve.serve_args import parse_serve_args
 

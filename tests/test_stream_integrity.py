@@ -17,7 +17,7 @@ from e2e_util import Server, serve, wait_all_free
 from models import make_tiny_model
 
 from pagedserve.common.messages import frontend as fe
-from pagedserve.frontend.engine_client import FrameCheck
+from pagedserve.frontend.core.engine_client import FrameCheck
 
 
 def test_frame_check_counts_gaps_and_restarts_per_epoch() -> None:

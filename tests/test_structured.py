@@ -22,8 +22,8 @@ from pagedserve.blockmgr.manager import BlockManager
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.messages.frontend import AddRequest
 from pagedserve.common.messages.types import SamplingParams, StructuredSpec
-from pagedserve.frontend.chat_template import render_chat
-from pagedserve.frontend.validation import Limits, ValidationError, sampling_params
+from pagedserve.frontend.core.chat_template import render_chat
+from pagedserve.frontend.core.validation import Limits, ValidationError, sampling_params
 from pagedserve.gpuworker.model_runner import ModelRunner
 from pagedserve.gpuworker.structured import StructuredDecoding
 from pagedserve.scheduler.engine import EngineCore, InProcessBlockClient, InProcessWorkerClient

@@ -23,9 +23,9 @@ from xgrammar.testing import _is_grammar_accept_string as accepts
 from pagedserve.common.grammar_spec import json_strings_fixed_text, parse_grammar
 from pagedserve.common.messages.types import StructuredSpec
 from pagedserve.common.structured_config import StructuredOutputsConfig, parse_structured_outputs_config
-from pagedserve.frontend.openai_structured import apply_structured
-from pagedserve.frontend.structured import spec_from_proto
-from pagedserve.frontend.validation import ValidationError
+from pagedserve.frontend.openai_api.openai_structured import apply_structured
+from pagedserve.frontend.core.structured import spec_from_proto
+from pagedserve.frontend.core.validation import ValidationError
 from pagedserve.v1 import generation_pb2 as pb
 
 PEERS = Path(__file__).resolve().parents[1] / ".venv-peers"

@@ -16,9 +16,9 @@ import pytest
 
 from e2e_util import Server, free_port, serve
 from models import make_tiny_model
-from pagedserve.frontend import openai_tools
-from pagedserve.frontend.errors import ApiError
-from pagedserve.frontend.openai_options import OpenAIOptions
+from pagedserve.frontend.openai_api import openai_tools
+from pagedserve.frontend.core.errors import ApiError
+from pagedserve.frontend.openai_api.openai_options import OpenAIOptions
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                            "parameters": {"type": "object",

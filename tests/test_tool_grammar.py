@@ -1,5 +1,5 @@
 """vLLM 0.32's grammar for tool calls under ``--tool-call-parser hermes``
-(frontend/tool_grammar.py): the structural tag equals the one vLLM builds
+(frontend/openai_api/tool_grammar.py): the structural tag equals the one vLLM builds
 (its own code, in the peer venv), and our EBNF text equals xgrammar's
 rendering of that tag."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pagedserve.frontend.tool_grammar import structural_tag, to_ebnf
+from pagedserve.frontend.openai_api.tool_grammar import structural_tag, to_ebnf
 
 PEERS = Path(__file__).resolve().parents[1] / ".venv-peers"
 

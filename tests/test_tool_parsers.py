@@ -1,4 +1,4 @@
-"""Tool-call parsers (frontend/tool_parsers): a corpus of model texts per parser,
+"""Tool-call parsers (frontend/openai_api/tool_parsers): a corpus of model texts per parser,
 whole and streamed in random chunkings; hard-coded answers; and, with the peer
 venv (vLLM 0.32), the same corpus through vLLM's own parsers of the same name:
 identical content, calls and streamed deltas (ids aside)."""
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from pagedserve.frontend.tool_parsers import PARSERS, check
-from pagedserve.frontend.tool_parsers.base import ToolParser
+from pagedserve.frontend.openai_api.tool_parsers import PARSERS, check
+from pagedserve.frontend.openai_api.tool_parsers.base import ToolParser
 
 PEER_PY = Path(__file__).resolve().parents[1] / ".venv-peers" / "bin" / "python"
 PEER_STAMP = PEER_PY.parents[1] / ".peers-stamp"
@@ -54,6 +54,15 @@ CORPUS: dict[str, list[str]] = {
         "[get_weather(city=some_variable)]",  # not a literal
         "I will call [get_weather(city='Paris')]",
     ],
+    "llama4_pythonic": [
+        "The weather is nice.",
+        "[get_weather(city='Paris')]",
+        "<|python_start|>[get_weather(city='Paris'), book(who={'first': 'Zoë'}, n=-3)]<|python_end|>",
+        "<|python_start|>[f()]",
+        "<|python_start|>not a call<|python_end|>",
+        "[get_weather(city='Par",  # malformed (cut)
+        "I will call [get_weather(city='Paris')]",
+    ],
     "mistral": [
         "The weather is nice.",
         f"[TOOL_CALLS][{W}]",
@@ -64,18 +73,18 @@ CORPUS: dict[str, list[str]] = {
     ],
 }
 VOCAB = {"hermes": ["<tool_call>", "</tool_call>"], "llama3_json": ["<|python_tag|>"],
-         "pythonic": ["a"], "mistral": ["[TOOL_CALLS]"]}
+         "pythonic": ["a"], "llama4_pythonic": ["<|python_start|>", "<|python_end|>"], "mistral": ["[TOOL_CALLS]"]}
 # Markers that are one token for the models that use them: a chunk never splits them.
-ATOMIC = {"llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
-STREAMED = ("hermes", "llama3_json", "pythonic")  # mistral streaming: not built yet
+ATOMIC = {"llama3_json": ("<|python_tag|>",), "mistral": ("[TOOL_CALLS]",),
+          "llama4_pythonic": ("<|python_start|>", "<|python_end|>")}
+STREAMED = ("hermes", "llama3_json", "pythonic", "llama4_pythonic")  # mistral streaming: not built yet
 
 
 def chunkings(text: str, parser: str, seed: int) -> list[list[str]]:
     """Character by character, whole, and three random chunkings (markers kept whole)."""
     rng = random.Random(seed)
-    atom = ATOMIC.get(parser)
     cuts_ok = [i for i in range(1, len(text))
-               if not (atom and any(s < i < s + len(atom) for s in _find_all(text, atom)))]
+               if not any(s < i < s + len(atom) for atom in ATOMIC.get(parser, ()) for s in _find_all(text, atom))]
     out = [[text], [text[a:b] for a, b in zip([0, *cuts_ok], [*cuts_ok, len(text)])]]
     for _ in range(3):
         cuts = sorted(rng.sample(cuts_ok, min(len(cuts_ok), rng.randint(1, 8))))
@@ -159,8 +168,9 @@ def test_start_up_check() -> None:
     check("hermes", {}, "m")
     with pytest.raises(ValueError, match="cannot be used with the tokenizer of 'm'.*<\\|python_tag\\|>"):
         check("llama3_json", {"a": 1}, "m")
-    with pytest.raises(ValueError, match="gpt-oss"):
-        check("openai", {}, "m")
+    check("openai", {"<|channel|>": 1}, "m")  # gpt-oss (harmony): tests/test_reasoning_parsers.py
+    with pytest.raises(ValueError, match="no '<\\|channel\\|>' token"):
+        check("openai", {"a": 1}, "m")
     with pytest.raises(ValueError, match="not one of"):
         check("nope", {}, "m")
 
@@ -204,3 +214,64 @@ def _ids(d: dict[str, Any] | None) -> dict[str, Any] | None:
         if tc.get("id") is not None:
             tc["id"] = "ID"
     return d
+
+
+# ------------------------------------------------------------ Qwen3's XML calls (qwen3_coder, qwen3_xml)
+def _xml(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+XML_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "metric": {"type": "boolean"}, "extra": {"type": "object"}}}}}]
+XML_TEXTS = [
+    "The weather is nice.",
+    _xml("get_weather", city="Paris"),
+    "Let me check.\n\n" + _xml("get_weather", city="Paris", days="3", metric="true"),
+    _xml("get_weather", city="東京 🙂", extra='{"a": [1, 2]}') + "\n" + _xml("get_time", zone="UTC"),
+    _xml("get_weather", city="Paris") + "\nDone.",  # text after the call
+    "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>",  # no <tool_call>
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",  # cut
+    "A line with a < sign and </think> in it",
+    _xml("get_weather", city="multi\nline\nvalue", days="x"),  # "x" is not an integer: a string
+]
+
+
+@pytest.mark.skipif(not PEER_STAMP.exists(), reason="no peer venv (scripts/setup-peers.sh installs vLLM 0.32)")
+@pytest.mark.parametrize("parser", ["qwen3_coder", "qwen3_xml"])
+def test_qwen3_xml_identical_to_vllm(parser: str) -> None:
+    """Whole outputs, and streams in chunks of 1 to 8 characters (<tool_call> and </tool_call>, one token
+    each, never split), joined: the same content and calls as vLLM's; arguments typed by the tools' schema."""
+    markers = ("<tool_call>", "</tool_call>")
+
+    def sized(text: str) -> list[list[str]]:
+        out = [[text]]
+        for k in range(1, 9):
+            chunks, pos = [], 0
+            while pos < len(text):
+                end = min(pos + k, len(text))
+                end = next((s + len(m) for m in markers for s in _find_all(text, m) if s < end < s + len(m)), end)
+                chunks.append(text[pos:end])
+                pos = end
+            out.append(chunks)
+        return out
+
+    jobs = [{"parser": parser, "vocab": list(markers), "tools": XML_TOOLS, "joined": True,
+             "cases": [{"text": t, "chunks": sized(t)} for t in XML_TEXTS]}]
+    run = subprocess.run([str(PEER_PY), str(Path(__file__).with_name("vllm_tool_parsers_peer.py"))], cwd="/tmp",
+                         input=json.dumps(jobs), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    refs = json.loads(run.stdout)[0]
+    assert sum(bool(ref["whole"][1]) for ref in refs) == 7  # vLLM found calls where the corpus has them
+    for case, ref in zip(jobs[0]["cases"], refs):
+        p = PARSERS[parser]()
+        p.tools = XML_TOOLS
+        content, calls = p.parse(case["text"])
+        assert [content, [[c["function"]["name"], c["function"]["arguments"]] for c in calls]] == ref["whole"], \
+            case["text"]
+        for chunks, ref_joined in zip(case["chunks"], ref["streams"]):
+            s: ToolParser = PARSERS[parser]()
+            s.tools = XML_TOOLS
+            content, calls = reassemble([s.feed(ch, i == len(chunks) - 1) for i, ch in enumerate(chunks)])
+            assert [content, [list(c) for c in calls]] == ref_joined, (case["text"], chunks)

@@ -14,7 +14,7 @@ import pytest
 
 from e2e_util import serve
 from models import make_tiny_model
-from pagedserve.bench import vllm_bench_client
+from benchmarks import vllm_bench_client
 
 PEERS_PY = Path(__file__).resolve().parents[1] / ".venv-peers" / "bin" / "python"
 NAME = "pagedserve-tiny"

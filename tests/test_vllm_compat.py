@@ -120,7 +120,7 @@ def test_vllm_metrics_on_the_serving_port_follow_the_requests_in_flight(srv: Ser
     # num_gpu_blocks: the usable ones (the pool less its null block), as pagedserve:num_gpu_blocks says
     assert info == [{**label, "engine": "0", "block_size": "16", "num_gpu_blocks": "127",
                      "num_gpu_blocks_override": "128", "num_cpu_blocks": "0",
-                     "enable_prefix_caching": "True", "cache_dtype": "auto", "gpu_memory_utilization": "0.9",
+                     "enable_prefix_caching": "True", "cache_dtype": "auto", "gpu_memory_utilization": "0.92",
                      "swap_space": "0.0"}]
     assert [lab for lab, _ in m["vllm:lora_requests_info"]] == [
         {**label, "engine": "0", "running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "0"}]

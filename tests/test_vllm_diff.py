@@ -1,6 +1,6 @@
 """The differential test against vLLM (issue 20, acceptance 1): the same 200
 requests to vLLM 0.32's CPU OpenAI server and to ``pagedserve serve``, same
-model, greedy, one server at a time (``pagedserve bench vllm-diff``).
+model, greedy, one server at a time (``python -m benchmarks vllm-diff``).
 
 The run is opt-in (PAGEDSERVE_VLLM_DIFF=1, several minutes on two cores) and
 needs the peer venv; the checks of the comparison itself always run."""
@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from pagedserve.bench.peer_engines import PEERS_VENV
-from pagedserve.bench.vllm_diff import REQUIRED, all_cases, required_failures
-from pagedserve.bench.vllm_diff_compare import compare, normalize
-from pagedserve.bench.vllm_diff_corpus import CHAT, CMPL, EXACT, STATUS, Case
+from benchmarks.peer_engines import PEERS_VENV
+from benchmarks.vllm_diff import REQUIRED, all_cases, required_failures
+from benchmarks.vllm_diff_compare import compare, normalize
+from benchmarks.vllm_diff_corpus import CHAT, CMPL, EXACT, STATUS, Case
 
 STAMP = PEERS_VENV / ".peers-stamp"
 

@@ -1,4 +1,4 @@
-"""What `bench vllm-diff` found pagedserve answering differently from vLLM 0.32,
+"""What `python -m benchmarks vllm-diff` found pagedserve answering differently from vLLM 0.32,
 each now as vLLM answers, over the real processes on a tiny random model with
 transformers' greedy decoding as the reference:
 
@@ -18,8 +18,8 @@ import pytest
 
 from e2e_util import Server, serve
 from models import make_tiny_model
-from pagedserve.frontend.http_response import decoded_token
-from pagedserve.frontend.prompt_options import bad_words_token_ids
+from pagedserve.frontend.openai_api.http_response import decoded_token
+from pagedserve.frontend.core.prompt_options import bad_words_token_ids
 from pagedserve.gpuworker.sampler import banned_by_bad_words
 from test_vllm_extras import post
 

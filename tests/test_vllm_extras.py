@@ -19,7 +19,7 @@ import pytest
 
 from e2e_util import Server, serve
 from models import make_tiny_model
-from pagedserve.frontend.openai_extras import OURS, VLLM_CHAT_FIELDS, VLLM_COMPLETION_FIELDS
+from pagedserve.frontend.openai_api.openai_extras import OURS, VLLM_CHAT_FIELDS, VLLM_COMPLETION_FIELDS
 
 PROMPT = "The quick brown fox jumps over the lazy dog and the cat"
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from e2e_util import Server, serve, wait_all_free
 from models import make_tiny_model
-from pagedserve.frontend.vllm_metrics import ABSENT
+from pagedserve.frontend.core.vllm_metrics import ABSENT
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_PY = ROOT / ".venv-peers" / "bin" / "python"

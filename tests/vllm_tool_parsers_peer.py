@@ -31,13 +31,29 @@ def _ids(delta: dict) -> dict:
     return delta
 
 
+def _joined(deltas: list) -> list:
+    """A stream as its deltas joined: [content, [[name, arguments], ...]]."""
+    content, names, args = "", {}, {}
+    for d in deltas:
+        content += (d or {}).get("content") or ""
+        for tc in (d or {}).get("tool_calls") or []:
+            fn = tc.get("function") or {}
+            if fn.get("name"):
+                names[tc["index"]] = fn["name"]
+            args[tc["index"]] = args.get(tc["index"], "") + (fn.get("arguments") or "")
+    return [content, [[names[i], args.get(i, "")] for i in sorted(names)]]
+
+
 def main() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
-    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
-                                tool_choice="auto")
-    json.dump([run(job, req) for job in json.load(sys.stdin)], sys.stdout)
+    out = []
+    for job in json.load(sys.stdin):  # a job's own "tools": the request's (their schemas type arguments)
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                    tools=job.get("tools") or tools, tool_choice="auto")
+        out.append(run(job, req))
+    json.dump(out, sys.stdout)
 
 
 def run(job: dict, req: Any) -> list:
@@ -55,7 +71,7 @@ def run(job: dict, req: Any) -> list:
             for i, ch in enumerate(chunks):
                 m = p.parse_delta(ch, [], req, [1], finished=i == len(chunks) - 1)
                 deltas.append(None if m is None else _ids(json.loads(m.model_dump_json(exclude_unset=True))))
-            streams.append(deltas)
+            streams.append(_joined(deltas) if job.get("joined") else deltas)
         out.append({"whole": [content, [[c.name, c.arguments] for c in calls or []]], "streams": streams})
     return out
 

@@ -24,7 +24,7 @@ class FinishReason(str, enum.Enum):
 
 class ErrorKind(enum.IntEnum):
     """Why the engine failed a request; the frontend maps it to a status code
-    (frontend/error_table.py, ENGINE_ERRORS: gRPC, HTTP and OpenAI type) instead of reading the message."""
+    (frontend/core/error_table.py, ENGINE_ERRORS: gRPC, HTTP and OpenAI type) instead of reading the message."""
 
     INTERNAL = 0
     KV_CACHE = 1  # the request can never fit in the KV pool

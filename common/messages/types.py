@@ -5,6 +5,8 @@ import enum
 
 import msgspec
 
+from pagedserve.common.request_fields import TABLE as _D
+
 
 class StructuredSpec(msgspec.Struct, frozen=True, array_like=True):
     """A grammar the output must follow; the frontend validated it, the worker
@@ -18,29 +20,30 @@ class StructuredSpec(msgspec.Struct, frozen=True, array_like=True):
 
 
 class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
-    """Engine-side sampling parameters; the frontend validates them first."""
+    """Engine-side sampling parameters; the frontend validates them first. Bounds and
+    defaults are common/request_fields.py's table (the containers' defaults are empty)."""
 
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k
-    min_p: float = 0.0
-    seed: int | None = None
-    n: int = 1
-    min_tokens: int = 0
+    max_tokens: int = _D["max_tokens"].default
+    temperature: float = _D["temperature"].default  # 0 means greedy
+    top_p: float = _D["top_p"].default
+    top_k: int = _D["top_k"].default  # 0: no top-k (the frontend maps -1 and k >= vocab_size to 0)
+    min_p: float = _D["min_p"].default
+    seed: int | None = _D["seed"].default
+    n: int = _D["n"].default
+    min_tokens: int = _D["min_tokens"].default
     stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    ignore_eos: bool = _D["ignore_eos"].default
+    repetition_penalty: float = _D["repetition_penalty"].default
+    presence_penalty: float = _D["presence_penalty"].default
+    frequency_penalty: float = _D["frequency_penalty"].default
     logit_bias: dict[int, float] = {}
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: int | None = _D["logprobs"].default
+    prompt_logprobs: int | None = _D["prompt_logprobs"].default
     # Beam search (beam_width > 1) runs inside the engine; n is then the
     # number of finished beams returned.
-    beam_width: int = 1
-    length_penalty: float = 1.0
-    early_stopping: bool = False
+    beam_width: int = _D["beam_width"].default
+    length_penalty: float = _D["length_penalty"].default
+    early_stopping: bool = _D["early_stopping"].default
     structured: StructuredSpec | None = None  # structured outputs (never with beam search)
     # vLLM's allowed_token_ids: only these may be sampled (None: any).
     allowed_token_ids: tuple[int, ...] | None = None

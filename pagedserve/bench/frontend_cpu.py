@@ -221,7 +221,7 @@ def run(model: str, protocols: list[str], requests: int, concurrency: int, max_t
 def run_core(model: str, concurrency: int, max_tokens: int, frontend_from: str | None = None) -> Result:
     """``frontend_cpu_core`` in a process of its own (from ``frontend_from`` if given)."""
     from pagedserve.common.default_model import resolve_model
-    from pagedserve.frontend.tokenizer import load
+    from pagedserve.frontend.core.tokenizer import load
 
     model_dir = resolve_model(model or None)
     run = subprocess.run([*_module("pagedserve.bench.frontend_cpu_core", frontend_from), model_dir,
@@ -248,8 +248,8 @@ class _DecodeOnly:
 def run_detokenizer(model: str, repeat: int = 5) -> list[Result]:
     """The detokenizer alone, one stream of the bench's text, DecodeStream and the Python loop (best of ``repeat``)."""
     from pagedserve.common.default_model import resolve_model
-    from pagedserve.frontend.detokenizer import IncrementalDetokenizer
-    from pagedserve.frontend.tokenizer import load
+    from pagedserve.frontend.core.detokenizer import IncrementalDetokenizer
+    from pagedserve.frontend.core.tokenizer import load
 
     tok = load(resolve_model(model or None))
     ids = tok(TEXT * 8, add_special_tokens=False).input_ids

@@ -30,10 +30,10 @@ async def _run(model_dir: str, streams: int, tokens: int, stops: list[str]) -> d
     from pagedserve.common.messages import frontend as fe
     from pagedserve.common.messages.types import ModelInfo
     from pagedserve.common.metrics import FrontendMetrics
-    from pagedserve.frontend.engine_client import EngineClient
-    from pagedserve.frontend.generation import FrontendConfig, GenerationService
-    from pagedserve.frontend.server import chunk_pb
-    from pagedserve.frontend.tokenizer import load
+    from pagedserve.frontend.core.engine_client import EngineClient
+    from pagedserve.frontend.core.generation import FrontendConfig, GenerationService
+    from pagedserve.frontend.grpc_api.server import chunk_pb
+    from pagedserve.frontend.core.tokenizer import load
     from pagedserve.v1 import generation_pb2 as pb
 
     tok = load(model_dir)

@@ -52,7 +52,7 @@ def start_serve(serve_args: list[str], model: str | None = None, timeout_s: floa
     """Runs ``pagedserve serve`` on free loopback ports until it prints that it serves.
     ``preexec_fn`` runs in the child before exec; ``keep_lines`` bounds the kept log
     (a long-lived server's, e.g. a Ray Serve replica's); ``own_session``: a new
-    session, as a service manager starts a server (see ``bench-guidellm-peers.py``)."""
+    session, as a service manager starts a server (see ``benchmarks/guidellm_peers.py``)."""
     grpc_port = free_port()
     if _has_grpc_port_flag():
         http_port = free_port()

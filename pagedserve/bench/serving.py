@@ -7,11 +7,10 @@ prompts are random token ids, every request generates exactly its sampled
 output length (``ignore_eos``). Over gRPC (``--addr``) or the OpenAI HTTP
 gateway (``--http``). ``--launch "ARGS"`` starts ``pagedserve serve ARGS``
 itself on a free port (e.g. ``--launch "--worker sim"``: the frontend and
-scheduler under load with the SIMULATED worker behind them). ``--peer vllm``
-then sends the same requests at the same arrival times over HTTP to
-``vllm serve`` from ``.venv-peers`` (started by the bench on the embedded
-model or ``--peer-model``) and prints both reports and the pagedserve / vLLM
-latency ratios; each server gets one warm-up request first.
+scheduler under load with the SIMULATED worker behind them). The same load
+against ``vllm serve`` beside ours is ``python -m benchmarks serving --peer vllm``
+(the repository's benchmarks/, outside the wheel), which calls ``run`` here
+with a peer step.
 
 Reports request and token throughput, TTFT / ITL / TPOT / end-to-end
 percentiles, goodput (completed requests per second that met the SLO:
@@ -29,6 +28,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -223,7 +223,7 @@ def _print(res: dict[str, Any], args: argparse.Namespace, server: str) -> None:
           f"TPOT <= {args.slo_tpot_ms} ms ({res['slo_attainment']:.0%} of requests)")
 
 
-def _warm_up(url: str, model: str, api_key: str | None) -> None:
+def warm_up(url: str, model: str, api_key: str | None) -> None:
     import urllib.request
 
     body = json.dumps({"model": model, "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}).encode()
@@ -232,51 +232,16 @@ def _warm_up(url: str, model: str, api_key: str | None) -> None:
         r.read()
 
 
-def _ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
-    """pagedserve / peer for each latency quantile (below 1: pagedserve is faster)."""
-    out: dict[str, float | None] = {}
-    for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
-        for q in ("p50", "p99"):
-            a, b = ours[k][q], peer[k][q]
-            out[f"{k}_{q}"] = round(a / b, 3) if a is not None and b else None
-    return out
+# After our run: the same work and arrival times against another server (benchmarks/serving.py).
+PeerRun = Callable[[argparse.Namespace, Any, list[tuple[list[int], int]], list[float], dict[str, Any]], int]
 
 
-def _peer_run(args: argparse.Namespace, info: Any, work: list[tuple[list[int], int]], arrivals: list[float],
-              ours: dict[str, Any]) -> int:
-    """The same load against `vllm serve` (.venv-peers) on the same model; prints both and the ratios."""
-    from pagedserve.bench.vllm_server import start_vllm_serve
-    from pagedserve.common.default_model import resolve_model
-
-    model_dir = resolve_model(args.peer_model)
-    print(f"bench serving: starting vllm serve on {model_dir}", flush=True)
-    srv = start_vllm_serve(model_dir, info.model_name, info.max_model_len, max(256, len(work)))
-    try:
-        peer_args = argparse.Namespace(**{**vars(args), "http": srv.url, "api_key": None})
-        _warm_up(srv.url, info.model_name, None)
-        recs, duration = asyncio.run(run_load(peer_args, work, arrivals, info.model_name))
-        peer = {**summarize(recs, duration, peer_args, False), "server": "vllm"}
-        _save_detailed(args.save_detailed, recs, "vllm", "a")
-    finally:
-        srv.stop()
-    _print(peer, args, "vllm")
-    ratios = _ratios(ours, peer)
-    print(f"ratio pagedserve / vllm (below 1: pagedserve lower latency): TTFT p50 {ratios['ttft_ms_p50']}, "
-          f"p99 {ratios['ttft_ms_p99']}; ITL p50 {ratios['itl_ms_p50']}, p99 {ratios['itl_ms_p99']}")
-    print(json.dumps({"bench": "serving-peers", "rate": ours["rate"], "workload": args.workload,
-                      "pagedserve": ours, "vllm": peer, "ratio_pagedserve_over_vllm": ratios}))
-    return 0 if ours["failed"] == 0 and peer["failed"] == 0 else 1
-
-
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="pagedserve bench serving", description=__doc__.split("\n\n")[0])
+def parser(prog: str = "pagedserve bench serving") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--addr", default="127.0.0.1:50051", help="gRPC address (also used for model info)")
     p.add_argument("--http", default=None, help="base URL of the HTTP gateway: load it instead of gRPC")
     p.add_argument("--api-key", default=env("API_KEY"))
     p.add_argument("--launch", default=None, metavar="ARGS", help="start `pagedserve serve ARGS` for the run")
-    p.add_argument("--peer", default=None, choices=["vllm"],
-                   help="then the same load over HTTP against `vllm serve` from .venv-peers, which it starts")
-    p.add_argument("--peer-model", default=None, help="HF folder for the peer (default: the embedded model)")
     p.add_argument("--workload", default="sharegpt", choices=["sharegpt", "alpaca"])
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
@@ -288,16 +253,24 @@ def main(argv: list[str]) -> int:
     p.add_argument("--save-detailed", default=None, metavar="PATH",
                    help="write one JSON line per request and server (prompt and output length, send time, "
                         "TTFT, end-to-end; ms)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    return run(parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace, peer: PeerRun | None = None) -> int:
+    """One load against our server; then, with ``peer``, the same against another over HTTP."""
     server: ServeProc | None = None
     if args.launch is not None:
         server = start_serve(args.launch.split(), echo=True)
         args.addr = server.grpc_addr
-        if args.peer and not args.http:
+        if peer is not None and not args.http:
             if server.http_url is None:
                 raise SystemExit("this `pagedserve serve` has no HTTP API; --peer compares over HTTP")
             args.http = server.http_url
-    if args.peer and not args.http:
+    if peer is not None and not args.http:
         raise SystemExit("--peer compares over HTTP: give --http URL (or --launch)")
     try:
         info = _model_info(args)
@@ -306,20 +279,20 @@ def main(argv: list[str]) -> int:
         work = plan(args.workload, args.num_requests, args.seed, max_total, info.vocab_size)
         arrivals = [0.0] * len(work) if math.isinf(args.rate) else poisson_arrivals(len(work), args.rate, args.seed)
         args.offered_span = arrivals[-1] if arrivals and arrivals[-1] > 0 else None
-        if args.peer:
-            _warm_up(args.http, info.model_name, args.api_key)  # both servers get one, so neither pays a first call
+        if peer is not None:
+            warm_up(args.http, info.model_name, args.api_key)  # both servers get one, so neither pays a first call
         recs, duration = asyncio.run(run_load(args, work, arrivals, info.model_name))
         res = summarize(recs, duration, args, simulated)
         _save_detailed(args.save_detailed, recs, "pagedserve", "w")
         _print(res, args, "pagedserve")
         print(json.dumps(res))
-        if args.peer:
+        if peer is not None:
             if simulated:
                 raise SystemExit("--peer needs a real model worker, not the SIMULATED one")
             if server is not None:  # idle, but its processes would still share the cores with vLLM
                 server.stop()
                 server = None
-            return _peer_run(args, info, work, arrivals, {**res, "server": "pagedserve"})
+            return peer(args, info, work, arrivals, {**res, "server": "pagedserve"})
         return 0 if res["failed"] == 0 else 1
     finally:
         if server is not None:

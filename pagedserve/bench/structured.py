@@ -154,7 +154,7 @@ def run(model: str | None, n: int, temperature: float, kinds: tuple[str, ...] = 
     from pagedserve.common.config import EngineConfig
     from pagedserve.common.default_model import resolve_model
     from pagedserve.common.messages.types import SamplingParams
-    from pagedserve.frontend.chat_template import render_chat
+    from pagedserve.frontend.core.chat_template import render_chat
     from pagedserve.gpuworker.model_runner import ModelRunner
     from pagedserve.scheduler.engine import EngineCore, InProcessBlockClient, InProcessWorkerClient
 

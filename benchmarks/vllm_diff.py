@@ -1,0 +1,239 @@
+"""``python -m benchmarks vllm-diff``: the same 200 requests to vLLM 0.32's CPU
+OpenAI server (``.venv-peers``) and to ``pagedserve serve``, on the same model
+with greedy decoding, one server at a time, then compared (issue 20,
+acceptance 1).
+
+Each engine's raw answers go to ``OUT/<engine>.json``; the per-request
+comparison to ``OUT/diff.json``; a table of mismatches by category is printed.
+The requirements: identical token ids, identical ``tool_calls`` and
+``finish_reason``, and the same HTTP status for the invalid requests.
+
+    python -m benchmarks vllm-diff [--out DIR] [--engines vllm,pagedserve] [--compare-only]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from pagedserve.bench.serve_proc import start_serve
+from benchmarks.vllm_diff_compare import compare, normalize
+from benchmarks.vllm_diff_corpus import CHAT, STATUS, Case, basic_cases
+from benchmarks.vllm_diff_invalid import invalid_cases
+from benchmarks.vllm_diff_tools import structured_cases, tool_cases
+from benchmarks.vllm_server import VllmServer, start_vllm_serve
+
+SERVED = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 2048
+TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+# What acceptance 1 requires; the other kinds (text, logprobs, usage, ...) are reported.
+REQUIRED = {"status": "same HTTP status", "n_choices": "token ids", "token_ids": "token ids",
+            "ids_missing": "token ids", "tool_calls": "tool_calls", "finish_reason": "finish_reason"}
+REQUEST_TIMEOUT_S = 300.0
+
+
+def all_cases() -> list[Case]:
+    cases = [*basic_cases(), *structured_cases(), *tool_cases(), *invalid_cases()]
+    names = [c.name for c in cases]
+    assert len(set(names)) == len(names), "case names must be unique"
+    return cases
+
+
+def start_vllm(model_dir: str) -> VllmServer:
+    """vLLM's api_server as bench serving's peer (vllm_server.py), plus the tool flags and a 1 GiB KV cache."""
+    kv = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    return start_vllm_serve(model_dir, SERVED, MAX_MODEL_LEN, 8, extra_args=TOOL_FLAGS, extra_env=kv)
+
+
+def _post(url: str, data: bytes, stream: bool) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            if not stream:
+                return {"status": r.status, "body": json.load(r), "seconds": time.monotonic() - t0}
+            chunks, events = [], 0
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                events += 1
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                chunks.append(json.loads(payload))
+            # An error inside a stream (status 200 already sent) is an event with "error".
+            errors = [c for c in chunks if "error" in c]
+            return {"status": r.status, "chunks": chunks, "stream_errors": errors, "seconds": time.monotonic() - t0}
+    except urllib.error.HTTPError as e:
+        text = e.read().decode(errors="replace")
+        try:
+            body: Any = json.loads(text)
+        except ValueError:
+            body = text
+        return {"status": e.code, "body": body, "seconds": time.monotonic() - t0}
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return {"status": -1, "body": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+
+
+def send(base: str, case: Case) -> dict[str, Any]:
+    """One case; a valid one also asks for ``return_token_ids``. If the engine
+    refuses that field alone, the case is sent again without it (and the
+    result says so): its ids then come from logprobs or are missing."""
+    url = base + case.route
+    if case.raw is not None:
+        return _post(url, case.raw, False)
+    body = {"model": SERVED, **case.body}
+    stream = bool(body.get("stream"))
+    if case.compare != STATUS:
+        res = _post(url, json.dumps({**body, "return_token_ids": True}).encode(), stream)
+        if res["status"] != 400 or "return_token_ids" not in json.dumps(res.get("body")):
+            return res
+        first = res
+        res = _post(url, json.dumps(body).encode(), stream)
+        res["return_token_ids_refused"] = first["body"]
+        return res
+    return _post(url, json.dumps(body).encode(), stream)
+
+
+def run_engine(engine: str, cases: list[Case], model_dir: str, kv_memory: str) -> dict[str, Any]:
+    t0 = time.monotonic()
+    if engine == "vllm":
+        srv: Any = start_vllm(model_dir)
+        base = srv.url
+    else:
+        srv = start_serve(["--kv-cache-memory", kv_memory, "--max-model-len", str(MAX_MODEL_LEN),
+                           "--served-model-name", SERVED, "--seed", "0", "--max-num-seqs", "8", *TOOL_FLAGS],
+                          model_dir)
+        base = srv.http_url
+    started = time.monotonic() - t0
+    print(f"vllm-diff: {engine} up in {started:.0f} s; sending {len(cases)} requests", flush=True)
+    results: dict[str, Any] = {}
+    try:
+        for i, case in enumerate(cases):
+            results[case.name] = send(base, case)
+            if (i + 1) % 25 == 0:
+                print(f"vllm-diff: {engine}: {i + 1}/{len(cases)}", flush=True)
+    finally:
+        srv.stop()
+    return {"engine": engine, "startup_s": started, "seconds": time.monotonic() - t0, "results": results,
+            "log_tail": "".join(srv.log[-30:])}
+
+
+def _outcome(case: Case, raw: dict[str, Any]) -> dict[str, Any]:
+    out = normalize(case.route == CHAT, raw["status"], raw.get("body"), raw.get("chunks"))
+    if raw.get("stream_errors"):
+        out["status"] = f"200+stream error {raw['stream_errors'][0].get('error', {}).get('code', '')}"
+    return out
+
+
+def diff(cases: list[Case], ref: dict[str, Any], ours: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for c in cases:
+        a, b = ref["results"].get(c.name), ours["results"].get(c.name)
+        if a is None or b is None:
+            rows.append({"name": c.name, "cat": c.cat, "mismatches": [["not_run", "missing from a run"]]})
+            continue
+        mism = compare(c, _outcome(c, a), _outcome(c, b))
+        if b.get("return_token_ids_refused") is not None:
+            mism.append(("return_token_ids_refused", "pagedserve refused return_token_ids"))
+        row = {"name": c.name, "cat": c.cat, "status": [a["status"], b["status"]],
+               "mismatches": [list(m) for m in mism]}
+        if c.chosen:
+            row["chosen"] = c.chosen
+        rows.append(row)
+    return rows
+
+
+def _required_ok(r: dict[str, Any]) -> bool:
+    return not any(m[0] in REQUIRED for m in r["mismatches"])
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Per category: requests, full matches, requirements met, the chosen
+    differences (kept on purpose, outside the requirements) and the count of
+    each mismatch kind."""
+    cats = list(dict.fromkeys(r["cat"] for r in rows))
+    kinds = sorted({m[0] for r in rows for m in r["mismatches"]})
+    head = ["category", "requests", "match", "required ok", "chosen", *kinds]
+    lines = [head]
+    for cat in [*cats, "all"]:
+        rs = [r for r in rows if cat in ("all", r["cat"])]
+        count = Counter(k for r in rs for k in {m[0] for m in r["mismatches"]})
+        ok = sum(_required_ok(r) for r in rs)
+        chosen = sum(bool(r.get("chosen")) for r in rs)
+        lines.append([cat, str(len(rs)), str(sum(not r["mismatches"] for r in rs)), str(ok), str(chosen or "."),
+                      *[str(count.get(k, 0) or ".") for k in kinds]])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths)))
+                     for line in lines)
+
+
+def required_failures(rows: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Requirement -> names of the requests that break it (a chosen difference does not count)."""
+    out: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("chosen"):
+            continue
+        for kind, _ in r["mismatches"]:
+            if kind in REQUIRED and r["name"] not in out.get(REQUIRED[kind], []):
+                out.setdefault(REQUIRED[kind], []).append(r["name"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks vllm-diff", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "pagedserve-vllm-diff")
+    p.add_argument("--engines", default="vllm,pagedserve", help="which engines to run now (comma-separated)")
+    p.add_argument("--compare-only", action="store_true", help="compare the answers already in --out")
+    p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--kv-cache-memory", default="512MiB", help="pagedserve's KV cache")
+    p.add_argument("--only", default=None, help="only these categories (comma-separated)")
+    args = p.parse_args(argv)
+    from pagedserve.common.default_model import resolve_model
+
+    model_dir = str(resolve_model(args.model))
+    cases = all_cases()
+    if args.only:
+        cases = [c for c in cases if c.cat in args.only.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.compare_only:
+        for engine in args.engines.split(","):
+            res = run_engine(engine, cases, model_dir, args.kv_cache_memory)
+            (args.out / f"{engine}.json").write_text(json.dumps(res, indent=1))
+            print(f"vllm-diff: {engine}: {len(cases)} requests in {res['seconds']:.0f} s", flush=True)
+    ref = json.loads((args.out / "vllm.json").read_text())
+    ours = json.loads((args.out / "pagedserve.json").read_text())
+    rows = diff(cases, ref, ours)
+    fails = required_failures(rows)
+    summary = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.machine(),
+               "cpus": len(os.sched_getaffinity(0)), "requests": len(rows), "model": model_dir,
+               "matches": sum(not r["mismatches"] for r in rows),
+               "required_ok": sum(_required_ok(r) for r in rows),
+               "required_ok_or_chosen": sum(_required_ok(r) or bool(r.get("chosen")) for r in rows),
+               "required_failures": fails, "rows": rows}
+    (args.out / "diff.json").write_text(json.dumps(summary, indent=1))
+    print(table(rows))
+    for req, names in fails.items():
+        print(f"vllm-diff: {req}: {len(names)} requests differ: {', '.join(names[:12])}")
+    for r in rows:
+        if r.get("chosen") and r["mismatches"]:
+            print(f"vllm-diff: chosen difference, not held to the requirements: {r['name']}: {r['chosen']}")
+    print(f"vllm-diff: {summary['matches']}/{len(rows)} requests match, {summary['required_ok']} meet the "
+          f"requirements ({summary['required_ok_or_chosen']} with the chosen differences); "
+          f"details in {args.out / 'diff.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
