@@ -3,6 +3,7 @@ ingress; prints one JSON line with the HTTP status of each request."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -10,7 +11,7 @@ import urllib.request
 import ray
 from ray import serve
 
-from pagedserve.bench.serve_proc import free_port
+from pagedserve.rayserve.engine import free_port
 from pagedserve.rayserve.app import build_app
 
 
@@ -26,8 +27,9 @@ def post(url: str, body: dict) -> int:
 
 
 def main() -> int:
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")  # a shared machine: no OOM killer on replicas
     ray.init(num_cpus=2, logging_level="ERROR")
-    port = free_port()
+    port = free_port("127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = ["--worker", "sim", "--num-gpu-blocks", "64", "--max-model-len", "256"]
     serve.run(build_app(None, args, 1, "kv", env={"PAGEDSERVE_SIM_COST_MODEL": "none"}), name="pagedserve",

@@ -1,37 +1,33 @@
-"""One Ray Serve replica = one pagedserve engine: ``pagedserve serve`` (the
-four processes) started by the replica and stopped with it, its KV events
-read into the set of block hashes it caches (reported to the router as
-routing stats), and a streaming ``generate`` over its gRPC API."""
+"""One Ray Serve replica = one pagedserve engine (engine.py): started by the
+replica and stopped with it, its KV events read into the set of block hashes
+it caches (reported to the router as routing stats, with its load, its health
+and its addresses), and ``forward``: an HTTP request passed unchanged to the
+engine's own OpenAI server, its response streamed back as it comes (first the
+status and headers, then the body's bytes)."""
 from __future__ import annotations
 
-import ctypes
-import json
-import signal
-import tempfile
 import threading
-import urllib.request
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
+import aiohttp
 import msgspec
 import zmq
 from ray import serve
 
-from pagedserve.bench.serve_proc import start_serve
 from pagedserve.blockmgr.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
-from pagedserve.client import AsyncGenerationClient
+from pagedserve.rayserve.engine import Engine, start_engine
 
-_PR_SET_PDEATHSIG = 1
-# The engine's refusals as HTTP statuses (frontend/core/error_table.py's, for the codes a request can cause)
-_HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-                grpc.StatusCode.UNAUTHENTICATED: 401}
-START_TIMEOUT_S = 600.0
+# Response headers the HTTP server in front (Serve's proxy) sets itself
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
+                        "transfer-encoding", "upgrade", "content-length", "date", "server", "host"})
+WHOLE_BODY_BYTES = 8 << 20  # a response with a length up to this comes back in one piece
+HEALTH_TIMEOUT_S = 2.0
 
 
-def _die_with_parent() -> None:
-    """The engine gets SIGTERM if the replica's process dies (Ray kills it with SIGKILL)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+class EngineUnavailable(RuntimeError):
+    """The engine did not take the request (it is down or restarting): the ingress tries another replica."""
 
 
 class CachedBlocks:
@@ -104,66 +100,86 @@ class CachedBlocks:
 @serve.deployment
 class PagedServeReplica:
     def __init__(self, model: str | None, serve_args: list[str]) -> None:
-        self._dir = tempfile.mkdtemp(prefix="pagedserve-ray-")
-        pub, replay = f"ipc://{self._dir}/kv.pub", f"ipc://{self._dir}/kv.replay"
-        events = json.dumps({"enable_kv_cache_events": True, "endpoint": pub, "replay_endpoint": replay})
-        self._engine = start_serve(["--kv-events-config", events, *serve_args], model, START_TIMEOUT_S,
-                                   preexec_fn=_die_with_parent, keep_lines=200)
-        self._grpc = self._engine.grpc_addr
-        self._metrics_url = f"{self._engine.http_url}/metrics"
+        import ray
+
+        self._engine: Engine = start_engine(model, serve_args, ray.util.get_node_ip_address())
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._cached = CachedBlocks(self._ctx, pub, replay)
-        self._client: AsyncGenerationClient | None = None
+        self._cached = CachedBlocks(self._ctx, self._engine.kv_pub, self._engine.kv_replay)
+        self._session: aiohttp.ClientSession | None = None
         self._in_flight = 0
+        self._engine_ok = True  # its /health, as of the last stats report
         self._id = serve.get_replica_context().replica_id.unique_id
 
-    def record_routing_stats(self) -> dict[str, Any]:
-        """What the router reads (every request_routing_stats_period_s)."""
-        return {"cached_blocks": self._cached.snapshot(), "in_flight": self._in_flight}
+    async def _engine_healthy(self) -> bool:
+        """The engine's own /health: 503 while it starts or recovers a component (docs/fault-tolerance.md)."""
+        if not self._engine.alive():
+            return False
+        try:
+            async with self._http().get(self._engine.http_url + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """What the router reads (every request_routing_stats_period_s), and the ingress's /health and /metrics."""
+        self._engine_ok = await self._engine_healthy()
+        return {"cached_blocks": self._cached.snapshot(), "in_flight": self._in_flight, "healthy": self._engine_ok,
+                "http": self._engine.http_url, "at": time.time()}
 
     def check_health(self) -> None:
-        if self._engine.proc.poll() is not None:
+        if not self._engine.alive():
             raise RuntimeError(f"the engine exited with {self._engine.proc.returncode}")
 
-    def prefix_cache_totals(self) -> tuple[float, float]:
-        """vllm:prefix_cache_hits_total and _queries_total of this engine's /metrics."""
-        text = urllib.request.urlopen(self._metrics_url, timeout=10).read().decode()
-        got = {"hits": 0.0, "queries": 0.0}
-        for line in text.splitlines():
-            for k in got:
-                if line.startswith(f"vllm:prefix_cache_{k}_total"):
-                    got[k] += float(line.rsplit(" ", 1)[1])
-        return got["hits"], got["queries"]
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, connect=10), auto_decompress=False,
+                connector=aiohttp.TCPConnector(limit=0, force_close=False))
+        return self._session
 
-    async def generate(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Streams {"token_ids", "text", "finish_reason"} chunks; the last one also
-        carries this replica's id and its prefix-cache totals."""
-        if self._client is None:
-            self._client = AsyncGenerationClient(self._grpc)
+    async def forward(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any] | bytes]:
+        """``req``: method, path (with its query), headers, body. Yields {"status", "headers"} (with
+        "body" when the whole body came at once), then the body's chunks as the engine writes them."""
         self._in_flight += 1
         try:
-            finish = ""
             try:
-                async for resp in self._client.stream(request["prompt"], timeout=600, **request["sampling"]):
-                    for out in resp.outputs:
-                        finish = out.finish_reason or finish
-                        if out.token_ids or out.text:
-                            yield {"token_ids": list(out.token_ids), "text": out.text, "finish_reason": None}
-            except grpc.aio.AioRpcError as e:  # the engine's refusal: the client's error, with its status
-                status = _HTTP_STATUS.get(e.code())
-                if status is None:
-                    raise
-                yield {"error": e.details() or e.code().name, "status": status}
-                return
-            hits, queries = self.prefix_cache_totals()
-            yield {"token_ids": [], "text": "", "finish_reason": finish or "stop", "replica": self._id,
-                   "prefix_cache": [hits, queries]}
+                resp = await self._http().request(req["method"], self._engine.http_url + req["path"],
+                                                  headers=req["headers"], data=req["body"], allow_redirects=False)
+            except (aiohttp.ClientConnectionError, OSError) as e:
+                self._engine_ok = False
+                raise EngineUnavailable(f"replica {self._id}: the engine is not answering ({e})") from None
+            async with resp:
+                headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in resp.raw_headers
+                           if k.decode("latin-1").lower() not in HOP_BY_HOP]
+                head: dict[str, Any] = {"status": resp.status, "headers": headers, "replica": self._id}
+                if resp.content_length is not None and resp.content_length <= WHOLE_BODY_BYTES:
+                    head["body"] = await resp.read()
+                    yield head
+                    return
+                yield head
+                async for chunk in resp.content.iter_any():  # as the engine flushes it: SSE events unbuffered
+                    yield chunk
         finally:
             self._in_flight -= 1
 
+    async def where(self, req: dict[str, Any]) -> dict[str, Any]:
+        """For a gRPC client (docs/deployment.md): this engine's addresses, once its HTTP server accepts the
+        request's Authorization (the engine's own check: its 401 comes back as is)."""
+        try:
+            async with self._http().get(self._engine.http_url + "/v1/models", headers=req["headers"]) as resp:
+                body = await resp.read()
+                if resp.status != 200:
+                    return {"status": resp.status, "body": body}
+        except (aiohttp.ClientConnectionError, OSError) as e:
+            raise EngineUnavailable(f"replica {self._id}: the engine is not answering ({e})") from None
+        return {"status": 200, "body": msgspec.json.encode({"replica": self._id, "grpc": self._engine.grpc_addr,
+                                                            "http": self._engine.http_url})}
+
     def __del__(self) -> None:
+        """Serve calls it on a graceful shutdown (serve.shutdown, a scale-down): the engine stops, its folder goes."""
         engine = getattr(self, "_engine", None)
         if engine is not None:
-            engine.stop(timeout_s=15)  # within Serve's graceful shutdown; its death signal covers a kill
+            engine.stop(timeout_s=15)  # within Serve's graceful shutdown; the death signal covers a kill
         if getattr(self, "_cached", None) is not None:
             self._cached.close()

@@ -1,0 +1,257 @@
+"""Multi-turn chat through `pagedserve ray-serve`, KV-aware routing against
+round-robin (issue 42, acceptance 2 and 3).
+
+    python benchmarks/ray_multiturn.py --rounds 3 --kill --out docs/results/ray-multiturn.json
+    (or `python -m benchmarks ray-multiturn ...`; Ray venv: scripts/setup-ray.sh)
+
+The embedded model (SmolLM2-135M-Instruct, real forward passes on CPU), 3
+replicas on a local 3-node ``ray.cluster_utils.Cluster``, behind the ingress.
+The client: USERS users, each with a distinct system prompt of 600-1,000
+tokens and TURNS growing turns (the conversation so far, then a new question),
+ANSWER tokens per answer (greedy, ignore_eos), all users at once, each turn
+streamed (chat completions over HTTP, aiohttp). Per run: TTFT p50/p99, output
+tokens per second, the prefix-cache hit rate (the replicas' vllm:prefix_cache
+counters on the ingress's /metrics, per replica label, so a replaced replica's
+counts are kept), lost requests (an error status, an error event, or no
+[DONE]). Each run starts from fresh replicas (empty caches); routers are
+interleaved round by round, and the table is the median of the rounds. With
+``--kill``, one more KV run in which a replica's actor is killed (ray.kill)
+once a third of the requests have finished: its TTFT p50 against the median of
+the undisturbed KV runs, and 0 lost (streams resume on another replica)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+WORDS = ("river stone cloud lantern harbor meadow copper violet engine orchard signal canyon ember willow "
+         "market thunder glacier compass velvet summit beacon quarry meadow falcon prism cedar tundra archive "
+         "saffron delta marble voyage plume cobalt fable ridge ivory juniper nectar obsidian").split()
+QUESTIONS = ["Summarize the rules above in one sentence.", "What should I check first?",
+             "Give me one more example.", "What is the most common mistake?", "Explain that differently.",
+             "Which rule matters most, and why?"]
+SERVE_ARGS = ["--max-model-len", "4096", "--num-gpu-blocks", "1024", "--max-num-seqs", "16"]
+
+
+def system_prompt(tok: Any, user: int, lo: int, hi: int) -> str:
+    rng = random.Random(user)
+    target = rng.randint(lo, hi)
+    text = f"You are assistant number {user}. Follow these house rules carefully."
+    while len(tok.encode(text)) < target:
+        text += " Rule: " + " ".join(rng.choice(WORDS) for _ in range(12)) + "."
+    return text
+
+
+async def turn(session: Any, url: str, messages: list[dict[str, str]], answer: int) -> dict[str, Any]:
+    body = {"messages": messages, "max_tokens": answer, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.monotonic()
+    out: dict[str, Any] = {"start": t0, "ttft": None, "tokens": 0, "text": "", "ok": False}
+    try:
+        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+            if resp.status != 200:
+                out["error"] = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return out
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                while b"\n\n" in buf:
+                    ev, buf = buf.split(b"\n\n", 1)
+                    data = ev.decode().removeprefix("data: ")
+                    if data == "[DONE]":
+                        out["ok"] = "error" not in out
+                        continue
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        out["error"] = obj["error"].get("message")
+                        continue
+                    for ch in obj.get("choices") or ():
+                        piece = (ch.get("delta") or {}).get("content")
+                        if piece and out["ttft"] is None:
+                            out["ttft"] = time.monotonic() - t0
+                        out["text"] += piece or ""
+                    if obj.get("usage"):
+                        out["tokens"] = obj["usage"]["completion_tokens"]
+    except Exception as e:  # noqa: BLE001 - a lost request, counted as such
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["end"] = time.monotonic()
+    return out
+
+
+async def user(session: Any, url: str, system: str, uid: int, turns: int, answer: int,
+               results: list[dict[str, Any]]) -> None:
+    messages = [{"role": "system", "content": system}]
+    for t in range(turns):
+        messages.append({"role": "user", "content": QUESTIONS[(uid + t) % len(QUESTIONS)]})
+        r = await turn(session, url, messages, answer)
+        r.update(user=uid, turn=t)
+        results.append(r)
+        messages.append({"role": "assistant", "content": r["text"] or "(no answer)"})
+
+
+def prefix_counters(text: str) -> dict[str, tuple[float, float]]:
+    """replica -> (hits, queries) from the ingress's /metrics."""
+    got: dict[str, list[float]] = {}
+    for m in re.finditer(r'^vllm:prefix_cache_(hits|queries)_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+        rep = re.search(r'replica="([^"]+)"', m.group(2))
+        if rep:
+            acc = got.setdefault(rep.group(1), [0.0, 0.0])
+            acc[0 if m.group(1) == "hits" else 1] += float(m.group(3))
+    return {k: (v[0], v[1]) for k, v in got.items()}
+
+
+async def run_once(url: str, systems: list[str], turns: int, answer: int,
+                   kill: Any = None) -> dict[str, Any]:
+    import aiohttp
+
+    results: list[dict[str, Any]] = []
+    seen: dict[str, tuple[float, float]] = {}
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def scrape() -> None:
+            async with session.get(url + "/metrics") as r:
+                seen.update(prefix_counters(await r.text()))
+
+        async def scraper() -> None:
+            while True:
+                await asyncio.sleep(2)
+                try:
+                    await scrape()
+                except Exception:  # noqa: BLE001 - the next scrape counts
+                    pass
+
+        async def killer() -> None:
+            total = len(systems) * turns
+            while sum(1 for r in results if "end" in r) < total // 3:
+                await asyncio.sleep(0.2)
+            await asyncio.to_thread(kill)
+
+        t0 = time.monotonic()
+        bg = [asyncio.create_task(scraper())] + ([asyncio.create_task(killer())] if kill else [])
+        await asyncio.gather(*(user(session, url, s, i, turns, answer, results) for i, s in enumerate(systems)))
+        wall = time.monotonic() - t0
+        for t in bg:
+            t.cancel()
+        await scrape()
+    ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
+    hits = sum(h for h, _ in seen.values())
+    queries = sum(q for _, q in seen.values())
+    q = statistics.quantiles(ttfts, n=100) if len(ttfts) >= 2 else ttfts * 99
+    return {"requests": len(results), "lost": [r.get("error", "no [DONE]") for r in results if not r["ok"]],
+            "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
+            "ttft_p99_s": round(q[98], 3) if ttfts else None,
+            "output_tok_s": round(sum(r["tokens"] for r in results) / wall, 2), "wall_s": round(wall, 1),
+            "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0, "replicas_seen": len(seen)}
+
+
+def kill_one_replica() -> str:
+    import ray
+
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if "#PagedServeReplica#" in a["name"]:
+            ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]))
+            return a["name"]
+    return ""
+
+
+def wait_healthy(url: str, n: int, timeout_s: float = 1800) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=30) as r:
+                h = json.load(r)
+            if sum(x["healthy"] for x in h["replicas"]) >= n or h["replica_states"].get("RUNNING", 0) >= n:
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{n} healthy replicas after {timeout_s} s")
+
+
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("prefix_hit_rate", "ttft_p50_s", "ttft_p99_s", "output_tok_s")
+    return {k: statistics.median(r[k] for r in runs) for k in keys} | {"lost": sum(len(r["lost"]) for r in runs)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ray-multiturn", description=__doc__.split("\n\n")[0])
+    p.add_argument("--users", type=int, default=12)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--answer", type=int, default=24, help="tokens per answer")
+    p.add_argument("--system-tokens", default="600-1000", help="LO-HI tokens of each user's system prompt")
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--routers", default="kv,round-robin")
+    p.add_argument("--kill", action="store_true", help="one more KV run with a replica killed mid-run")
+    p.add_argument("--out", default=None, help="write the results here (JSON)")
+    p.add_argument("serve_args", nargs="*", help=f"after --: each replica's serve flags (default {SERVE_ARGS})")
+    args = p.parse_args(argv)
+    import os
+
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+    from transformers import AutoTokenizer
+
+    from pagedserve.common.default_model import resolve_model
+    from pagedserve.rayserve.app import build_app
+    from pagedserve.rayserve.engine import free_port
+
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")  # a shared machine: no OOM killer on replicas
+    lo, hi = (int(x) for x in args.system_tokens.split("-"))
+    tok = AutoTokenizer.from_pretrained(resolve_model(None))
+    systems = [system_prompt(tok, u, lo, hi) for u in range(args.users)]
+    routers = args.routers.split(",")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(args.nodes - 1):
+        cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, logging_level="ERROR")
+    port = free_port("127.0.0.1")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}"
+    plan = [(r, router) for r in range(args.rounds)
+            for router in (routers if r % 2 == 0 else routers[::-1])]  # interleaved, alternating order
+    if args.kill:
+        plan.append((args.rounds, "kv-kill"))
+    runs: list[dict[str, Any]] = []
+    try:
+        for rnd, name in plan:
+            router = "kv" if name == "kv-kill" else name
+            serve.run(build_app(None, args.serve_args or SERVE_ARGS, args.replicas, router,
+                                replica_cpus=args.nodes / args.replicas), name="pagedserve", route_prefix="/")
+            wait_healthy(url, args.replicas)
+            res = asyncio.run(run_once(url, systems, args.turns, args.answer,
+                                       kill_one_replica if name == "kv-kill" else None))
+            res.update(router=name, round=rnd)
+            runs.append(res)
+            print(json.dumps({k: v for k, v in res.items() if k != "lost"} | {"lost": len(res["lost"])}),
+                  flush=True)
+            serve.delete("pagedserve")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+    table = {name: median_row([r for r in runs if r["router"] == name]) for name in routers}
+    out = {"config": vars(args) | {"serve_args": args.serve_args or SERVE_ARGS}, "runs": runs, "median": table}
+    if args.kill:
+        [k] = [r for r in runs if r["router"] == "kv-kill"]
+        out["kill"] = {"lost": len(k["lost"]), "ttft_p50_s": k["ttft_p50_s"],
+                       "ttft_p50_vs_undisturbed": round(k["ttft_p50_s"] / table["kv"]["ttft_p50_s"], 2)}
+    print(json.dumps(out["median"]), json.dumps(out.get("kill")), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
