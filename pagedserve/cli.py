@@ -35,7 +35,7 @@ _COMPONENTS = {
 
 # Moved out of the wheel to the repository's benchmarks/ (they start or import other engines);
 # named here only to point there.
-_PEER_BENCHMARKS = {"peers", "vllm_diff", "kv_fp8", "ray_affinity", "guidellm_peers"}
+_PEER_BENCHMARKS = {"peers", "vllm_diff", "kv_fp8", "ray_multiturn", "guidellm_peers"}
 
 
 def main(argv: list[str] | None = None) -> int:

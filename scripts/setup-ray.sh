@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) .venv-ray: pagedserve with its Ray Serve extra
 # (`pip install 'pagedserve[ray]'`), for `pagedserve ray-serve`, the
-# `python -m benchmarks ray-affinity` benchmark and tests/test_ray_serve.py. Its own venv, so
+# `python -m benchmarks ray-multiturn` benchmark and tests/test_ray_serve.py. Its own venv, so
 # Ray's pins never move the main one. Idempotent (a stamp file).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # What benchmarks/ holds, once under pagedserve/bench: modules that start or import another engine.
-PEER_MODULE = re.compile(r"^pagedserve/bench/(peers|peer_engines|vllm_\w+|guidellm\w*|kv_fp8|ray_affinity)\.py$")
+PEER_MODULE = re.compile(r"^pagedserve/bench/(peers|peer_engines|vllm_\w+|guidellm\w*|kv_fp8|ray_\w+)\.py$")
 PEER_IMPORT = re.compile(r"^\s*(import|from)\s+(vllm|guidellm|llama_cpp|benchmarks)\b", re.M)
 
 
