@@ -275,29 +275,34 @@ class FrontendMetrics:
     def finished(self, r: RequestTimes, now: float, prompt_len: int, n: int, max_tokens: int, reason: str,
                  max_model_len: int) -> None:
         """A request whose every output ended; times as vLLM's (stats.py):
-        prefill = first token - first scheduled, decode = last - first token."""
-        self.e2e.observe(now - r.arrival)
+        prefill = first token - first scheduled, decode = last - first token.
+        vLLM 0.32 runs an n > 1 request as n child requests and records each child
+        as a finished request (request_success and the per-request histograms: n
+        observations), but ``request_params_n`` and ``request_max_num_generation_tokens``
+        once per parent (ParentRequest.observe_finished_request); so here."""
+        outputs = [r.tokens.get(i, 0) for i in range(max(n, 1))]
         # A str enum's str() is its name ("FinishReason.LENGTH"): the label is its value.
-        self.request_success.labels(reason.value if isinstance(reason, enum.Enum) else reason).inc()
-        self.num_preemptions.observe(r.num_preemptions)
+        self.request_success.labels(reason.value if isinstance(reason, enum.Enum) else reason).inc(len(outputs))
         self.params_n.observe(n)
         tok = self.token_histograms(max_model_len)
-        longest = max(r.tokens.values(), default=0)
-        tok.prompt.observe(prompt_len)
-        tok.generation.observe(sum(r.tokens.values()))
-        tok.max_generation.observe(longest)
-        tok.max_tokens.observe(max_tokens)
-        tok.prefill_kv.observe(prompt_len - min(r.num_cached_tokens, prompt_len))
+        tok.max_generation.observe(max(outputs))
         # Every histogram counts every finished request: one that got no token has 0 s of each.
         scheduled = r.arrival + (r.queue_time_s or 0.0)
         first = scheduled if r.first_token_at is None else r.first_token_at
         prefill = max(0.0, first - scheduled)
         decode = 0.0 if r.last_token_at is None else r.last_token_at - first
-        self.prefill_time.observe(prefill)
-        self.decode_time.observe(decode)
-        self.inference_time.observe(prefill + decode)
-        # The outputs advance together, one token a step: the longest counts the steps.
-        self.tpot.observe(decode / (longest - 1) if longest > 1 else 0.0)
+        for generated in outputs:  # the outputs advance together: the request's times are each one's
+            self.e2e.observe(now - r.arrival)
+            self.queue_time.observe(r.queue_time_s or 0.0)  # at the end, as vLLM: finished requests only
+            self.num_preemptions.observe(r.num_preemptions)
+            tok.prompt.observe(prompt_len)
+            tok.generation.observe(generated)
+            tok.max_tokens.observe(max_tokens)
+            tok.prefill_kv.observe(prompt_len - min(r.num_cached_tokens, prompt_len))
+            self.prefill_time.observe(prefill)
+            self.decode_time.observe(decode)
+            self.inference_time.observe(prefill + decode)
+            self.tpot.observe(decode / (generated - 1) if generated > 1 else 0.0)
 
 
 def serve_scheduler_metrics(port: int | None, counts: Callable[[], Any], host: str = "127.0.0.1") -> Any:

@@ -174,3 +174,43 @@ def test_a_request_sent_while_the_scheduler_restarts_waits_for_it(tmp_path: os.P
 
     got = run(go())
     assert [(r.request_id, r.resume) for r in got] == [("a", True), ("b", False)]
+
+
+def test_a_request_sent_while_a_component_recovers_waits_for_it_or_is_refused(tmp_path: os.PathLike[str]) -> None:
+    """Issue 41: during a gpuworker/blockmgr recovery (the scheduler's unsolicited
+    recovering=True) a new request is held, and sent once recovery ends; past
+    ``recovery_wait_s`` it is refused (EngineUnavailable: 503 / UNAVAILABLE)."""
+    from pagedserve.frontend.core.engine_client import EngineUnavailable
+
+    async def go() -> tuple[str, bool, str]:
+        ctx = zmq.asyncio.Context()
+        fake = FakeScheduler(ctx, os.path.join(tmp_path, "run"))
+        engine = EngineClient(fake.addrs, recovery_wait_s=0.5)
+        try:
+            await asyncio.gather(engine.start(5), fake.answer_info())
+            await fake.send(stats(0, True))  # recovery starts
+            while engine.healthy:
+                await asyncio.sleep(0.01)
+            assert engine.accepting  # taken, to wait
+            waiting = asyncio.create_task(engine.add_request(fe.AddRequest("w", [1, 2], SamplingParams(), 1.0)))
+            await asyncio.sleep(0.2)
+            held = not waiting.done()
+            await fake.send(stats(0, False))  # recovery ends: the held request goes to the scheduler
+            await waiting
+            sent = await fake.recv()
+            await fake.send(stats(0, True))  # a recovery longer than recovery_wait_s
+            while engine.healthy:
+                await asyncio.sleep(0.01)
+            try:
+                await engine.add_request(fe.AddRequest("late", [1, 2], SamplingParams(), 1.0))
+                refused = "sent"
+            except EngineUnavailable as e:
+                refused = str(e)
+            return sent.request_id, held, refused
+        finally:
+            await engine.close()
+            fake.close()
+            ctx.term()
+
+    rid, held, refused = run(go())
+    assert rid == "w" and held and refused == "the engine is recovering a component"

@@ -35,6 +35,11 @@ from test_engine_client_health import FakeScheduler
 # gRPC's own code <-> HTTP status mapping (google.rpc.Code's documented HTTP equivalents).
 GRPC_TO_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
                 grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.DATA_LOSS: 500}
+# vLLM 0.32's create_error_response: the type each status gets (an engine failure is a
+# GenerationError: InternalServerError, or ServiceUnavailableError when retryable; 429 is
+# a GracefulHTTPError, whose type is the status phrase).
+VLLM_TYPES = {400: "BadRequestError", 429: "Too Many Requests", 500: "InternalServerError",
+              503: "ServiceUnavailableError"}
 
 
 def _free_port() -> int:
@@ -117,6 +122,7 @@ def test_the_same_engine_error_is_the_same_error_over_grpc_and_http(tmp_path: os
         cls = ENGINE_ERRORS[kind]
         assert code is cls.grpc_code, kind
         assert GRPC_TO_HTTP[code] == status == cls.http_status, kind
-        assert body["error"]["type"] == event["error"]["type"] == cls.openai_type, kind
-        assert body["error"]["code"] == event["error"]["code"] == kind.name.lower(), kind
+        assert body["error"]["type"] == event["error"]["type"] == VLLM_TYPES[status], kind
+        # vLLM's ErrorInfo.code is an integer: the HTTP status.
+        assert body["error"]["code"] == event["error"]["code"] == status, kind
         assert f"failed: {kind.name}" in body["error"]["message"], kind

@@ -158,9 +158,9 @@ def check_answer(status: int, ctype: str, data: bytes) -> None:
     assert status < 500, (status, data[:500])
     if status >= 400:  # OpenAI's error shape
         err = json.loads(data)["error"]
-        assert err["type"] and err["message"], data[:300]
+        assert err["type"] and err["message"] and err["code"] == status, data[:300]  # vLLM's ErrorInfo
     elif ctype.startswith("text/event-stream"):
-        assert data.rstrip().endswith(b"data: [DONE]") and b'"server_error"' not in data, data[-500:]
+        assert data.rstrip().endswith(b"data: [DONE]") and b'"InternalServerError"' not in data, data[-500:]
     else:
         assert "choices" in json.loads(data), data[:300]
 

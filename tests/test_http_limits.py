@@ -53,7 +53,7 @@ def post(port: int, path: str, body: bytes) -> tuple[int, Any]:
 
 def refused(status: int, reply: Any, param: str, words: str) -> bool:
     err = reply.get("error", {}) if isinstance(reply, dict) else {}
-    return (status == 400 and err.get("type") == "invalid_request_error" and err.get("param") == param
+    return (status == 400 and err.get("type") == "BadRequestError" and err.get("code") == 400 and err.get("param") == param
             and words in err.get("message", ""))
 
 

@@ -133,7 +133,7 @@ def test_errors_have_the_openai_shape(gw: tuple[Server, str], client: openai.Ope
         client.completions.create(model=model_name, prompt=PROMPT, max_tokens=5, temperature=-1)
     err = e.value.body
     assert e.value.status_code == 400 and err["param"] == "temperature" and "[0.0, 2.0]" in err["message"]
-    assert err["type"] == "invalid_request_error"
+    assert err["type"] == "BadRequestError" and err["code"] == 400  # vLLM 0.32's ErrorInfo
     with pytest.raises(openai.BadRequestError) as e2:
         client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=100000)
     assert e2.value.body["param"] == "max_tokens" and "max_model_len=512" in e2.value.body["message"]
@@ -142,7 +142,8 @@ def test_errors_have_the_openai_shape(gw: tuple[Server, str], client: openai.Ope
     assert e3.value.body["param"] == "logprobs"
     with pytest.raises(openai.NotFoundError) as e4:
         client.completions.create(model="no-such-model", prompt=PROMPT)
-    assert e4.value.body["code"] == "model_not_found"
+    assert e4.value.body["code"] == 404 and e4.value.body["type"] == "NotFoundError"
+    assert e4.value.body["param"] == "model" and "`no-such-model` does not exist" in e4.value.body["message"]
     for body, param in [(b"{not json", "body"), (b"[1]", "body"), (b'{"prompt": 5}', "prompt"),
                         (b'{"prompt": "hi", "temperature": "hot"}', "temperature"),
                         (b'{"prompt": "hi", "stop": 5}', "stop"),

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from e2e_util import Server, serve, wait_all_free
 from models import make_tiny_model
-from pagedserve.frontend.core.vllm_metrics import ABSENT
+from pagedserve.frontend.core.vllm_metrics import ABSENT, ZERO_COUNTERS
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_PY = ROOT / ".venv-peers" / "bin" / "python"
@@ -47,7 +47,15 @@ FAMILIES = {
     "vllm:request_prefill_time_seconds": H, "vllm:request_decode_time_seconds": H,
     "vllm:request_num_preemptions": H, "vllm:request_prefill_kv_computed_tokens": H,
     "vllm:num_requests_swapped": G, "vllm:gpu_cache_usage_perc": G,
+    # Registered by vLLM 0.32 by default and 0 for what is served here (vllm_metrics.ZERO_COUNTERS).
+    **{f"vllm:{name}": C for name in ZERO_COUNTERS},
 }
+# prometheus-fastapi-instrumentator's defaults, as vLLM 0.32 instruments its app: family -> (type, labels).
+HTTP_FAMILIES = {"http_requests": (C, {"method", "status", "handler"}),  # samples http_requests_total
+                 "http_request_size_bytes": ("summary", {"handler"}),
+                 "http_response_size_bytes": ("summary", {"handler"}),
+                 "http_request_duration_highr_seconds": (H, set()),
+                 "http_request_duration_seconds": (H, {"method", "handler"})}
 # Per finished request, one observation each (vLLM's FinishedRequestStats).
 PER_REQUEST = ["e2e_request_latency_seconds", "request_queue_time_seconds", "request_inference_time_seconds",
                "request_prefill_time_seconds", "request_decode_time_seconds",
@@ -85,11 +93,17 @@ def val(m: Scrape, sample: str, **labels: str) -> float:
 def run_load(client: openai.OpenAI) -> dict[str, int]:
     """Finished requests, all ending by length (ignore_eos): what their
     responses say (usage) and what they asked (n, max_tokens)."""
-    totals = {"finished": 0, "n": 0, "max_tokens": 0, "prompt": 0, "completion": 0}
+    # finished: requests; outputs: vLLM's finished (child) requests, n per request;
+    # prompt_per_output / max_tokens_per_output: what vLLM's per-child histograms sum.
+    totals = {"finished": 0, "n": 0, "max_tokens": 0, "prompt": 0, "completion": 0, "outputs": 0,
+              "prompt_per_output": 0, "max_tokens_per_output": 0}
     extra = {"ignore_eos": True}
 
     def count(n: int, max_tokens: int, usage: Any) -> None:
         totals["finished"] += 1
+        totals["outputs"] += n
+        totals["prompt_per_output"] += n * usage.prompt_tokens
+        totals["max_tokens_per_output"] += n * max_tokens
         totals["n"] += n
         totals["max_tokens"] += max_tokens
         totals["prompt"] += usage.prompt_tokens
@@ -139,21 +153,25 @@ def test_vllm_families_after_a_mixed_load(srv: Server) -> None:
     m = scrape(srv)
 
     # Values the load fixes (no request aborted yet).
-    assert val(m, "vllm:request_success_total", finished_reason="length") == t["finished"]
+    # vLLM 0.32 runs an n > 1 request as n child requests, each one finished request
+    # (output_processor._update_stats_from_finished), params_n and the longest output once per parent.
+    assert val(m, "vllm:request_success_total", finished_reason="length") == t["outputs"] > t["finished"]
     for reason in ("stop", "abort", "error", "repetition"):
         assert val(m, "vllm:request_success_total", finished_reason=reason) == 0
     for name in PER_REQUEST:
-        assert val(m, f"vllm:{name}_count") == t["finished"], name
+        per_parent = name in ("request_params_n", "request_max_num_generation_tokens")
+        assert val(m, f"vllm:{name}_count") == t["finished" if per_parent else "outputs"], name
     assert val(m, "vllm:request_params_n_sum") == t["n"]
-    assert val(m, "vllm:request_params_max_tokens_sum") == t["max_tokens"]
+    assert val(m, "vllm:request_params_max_tokens_sum") == t["max_tokens_per_output"]
     assert val(m, "vllm:request_generation_tokens_sum") == t["completion"] == val(m, "vllm:generation_tokens_total")
     assert val(m, "vllm:request_max_num_generation_tokens_sum") == t["max_tokens"]  # each output ran to max_tokens
-    assert val(m, "vllm:request_prompt_tokens_sum") == t["prompt"] == val(m, "vllm:prompt_tokens_total")
+    assert val(m, "vllm:request_prompt_tokens_sum") == t["prompt_per_output"]
+    assert val(m, "vllm:prompt_tokens_total") == t["prompt"]  # computed once for all n outputs here
     cached = val(m, "vllm:prompt_tokens_cached_total")
     assert cached >= 16 and cached == val(m, "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
     assert val(m, "vllm:prompt_tokens_by_source_total", source="local_compute") == t["prompt"] - cached
     assert val(m, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
-    assert val(m, "vllm:request_prefill_kv_computed_tokens_sum") == t["prompt"] - cached
+    assert val(m, "vllm:request_prefill_kv_computed_tokens_sum") == t["prompt_per_output"] - cached
     # Tokens per engine step, summed over the steps: every prompt token computed, every token generated.
     assert val(m, "vllm:iteration_tokens_total_sum") == t["prompt"] - cached + t["completion"]
     assert val(m, "vllm:iteration_tokens_total_count") >= 300  # at least one step per token of the long ones
@@ -175,6 +193,22 @@ def test_vllm_families_after_a_mixed_load(srv: Server) -> None:
     assert waiting == 0 == val(m, "vllm:num_requests_waiting_by_reason", reason="capacity") + val(
         m, "vllm:num_requests_waiting_by_reason", reason="deferred")
     assert val(m, "vllm:admission_rejections_total", reason="max_num_queued_reqs") == 0
+    for name in ZERO_COUNTERS:
+        assert val(m, f"vllm:{name}_total") == 0, name
+    # vLLM's HTTP families: every completion and chat request counted once, by route template;
+    # /metrics and /health left out as vLLM's instrumentator leaves them out.
+    assert val(m, "http_requests_total", method="POST", status="2xx", handler="/v1/completions") == 2 + 2 + 4
+    assert val(m, "http_requests_total", method="POST", status="2xx", handler="/v1/chat/completions") == 2
+    assert val(m, "http_request_duration_seconds_count", method="POST", handler="/v1/chat/completions") == 2
+    assert val(m, "http_request_size_bytes_count", handler="/v1/completions") == 8
+    assert val(m, "http_request_size_bytes_sum", handler="/v1/completions") > 8 * 20
+    assert val(m, "http_response_size_bytes_sum", handler="/v1/completions") > 0
+    assert val(m, "http_request_duration_highr_seconds_count") >= 11  # /v1/models too
+    assert not [lab for _, lab, _ in m["http_requests"][1] if lab.get("handler") in ("/metrics", "/health")]
+    for name, (typ, labels) in HTTP_FAMILIES.items():
+        assert m[name][0] == typ, name
+        for smp, lab, _ in m[name][1]:
+            assert set(lab) - {"le", "quantile"} == labels, (name, lab)
 
     # A stream the client drops: counted as an abort, and in none of the finished requests' histograms.
     stream = client.completions.create(model=SERVED, prompt="Abort me", max_tokens=1000, stream=True,
@@ -187,7 +221,7 @@ def test_vllm_families_after_a_mixed_load(srv: Server) -> None:
         time.sleep(0.1)
     wait_all_free(srv)
     m = scrape(srv)
-    assert val(m, "vllm:e2e_request_latency_seconds_count") == t["finished"]
+    assert val(m, "vllm:e2e_request_latency_seconds_count") == t["outputs"]
     assert val(m, "vllm:time_to_first_token_seconds_count") == t["finished"] + 1
     assert val(m, "vllm:generation_tokens_total") > t["completion"]
 
@@ -224,7 +258,15 @@ root = pathlib.Path(vllm.__file__).parent
 named = set()
 for f in ("v1/metrics/loggers.py", "v1/spec_decode/metrics.py", "v1/metrics/perf.py"):
     named |= set(re.findall(r'"(vllm:[a-z_]+)"', (root / f).read_text()))
-print(json.dumps({"registered": registered, "named": sorted(named)}))
+# vLLM's HTTP families: prometheus-fastapi-instrumentator's defaults (serve/instrumentator/metrics.py).
+from prometheus_fastapi_instrumentator import metrics as pfi
+reg = prometheus_client.CollectorRegistry()
+pfi.default(registry=reg)
+http = {}
+for collector, names in reg._collector_to_names.items():
+    fam = next(iter(collector.describe()))
+    http[fam.name] = [fam.type, sorted(getattr(collector, "_labelnames", ()))]
+print(json.dumps({"registered": registered, "named": sorted(named), "http": http}))
 """
 
 
@@ -244,6 +286,7 @@ def test_every_vllm_family_is_exported_or_documented_absent() -> None:
             assert FAMILIES[name] == typ, (name, typ)
         else:
             assert name in ABSENT, f"vLLM 0.32 registers {name} ({typ}): neither exported nor documented absent"
+    assert peer["http"] == {name: [typ, sorted(labels)] for name, (typ, labels) in HTTP_FAMILIES.items()}
     for name in peer["named"]:
         # A counter's source name may carry the _total its family name drops.
         assert {name, name.removesuffix("_total")} & (set(FAMILIES) | set(ABSENT)), name

@@ -7,7 +7,10 @@ the timeout means the scheduler itself is stuck: health goes NOT_SERVING
 until it answers again, and open streams are kept, since a live process may
 still finish them (issue 19: slow is not dead). A scheduler that
 disconnects (killed, restarted) is waited for: its in-flight requests are
-re-sent to the new one with the tokens already streamed (see resume.py)."""
+re-sent to the new one with the tokens already streamed (see resume.py).
+While the scheduler recovers a killed gpuworker or blockmgr, new requests wait
+for it too, up to ``recovery_wait_s`` (then they are refused: 503 with
+Retry-After, UNAVAILABLE with retry metadata)."""
 from __future__ import annotations
 
 import asyncio
@@ -61,8 +64,14 @@ class FrameCheck:
         return gap
 
 
+# A component's recovery takes ~4 s on an idle server (restart, weights, KV pool); a new
+# request waits this long for it before it is refused.
+RECOVERY_WAIT_S = 15.0
+
+
 class EngineClient:
-    def __init__(self, addrs: Addresses, send_timeout_s: float = 5.0, resume_timeout_s: float = 60.0) -> None:
+    def __init__(self, addrs: Addresses, send_timeout_s: float = 5.0, resume_timeout_s: float = 60.0,
+                 recovery_wait_s: float = RECOVERY_WAIT_S) -> None:
         self._ctx = zmq.asyncio.Context()
         self._push: ipc.AsyncPushQueue[fe.Request] = ipc.AsyncPushQueue(self._ctx, addrs.scheduler_in, bind=False)
         self._pull: ipc.AsyncPullQueue[fe.Reply] = ipc.AsyncPullQueue(self._ctx, addrs.scheduler_out, fe.Reply,
@@ -84,6 +93,9 @@ class EngineClient:
         self._resuming = False
         self._resumed = asyncio.Event()  # clear while resuming: new requests wait for it
         self._resumed.set()
+        self._recovery_wait_s = recovery_wait_s
+        self._recovering = False  # the scheduler said it recovers a component: new requests wait
+        self._serving = asyncio.Event()  # set while healthy
         self._health_news = 0  # unsolicited health messages so far: a watchdog answer older than one is stale
         self._link: asyncio.Task[None] | None = None
         self._monitor: Any = None
@@ -98,6 +110,7 @@ class EngineClient:
         assert isinstance(info, fe.EngineInfo)
         self.info = info
         self.healthy = True
+        self._serving.set()
         return info
 
     def watch(self, interval_s: float, timeout_s: float, on_change: Callable[[bool], Any]) -> None:
@@ -114,6 +127,8 @@ class EngineClient:
             try:
                 s = await self._query(lambda q: fe.StatsQuery(q), timeout_s)
                 ok, lost = not s.recovering, False
+                if news == self._health_news:
+                    self._recovering = s.recovering
             except (asyncio.TimeoutError, EngineUnavailable):
                 ok, lost = False, True
             if news == self._health_news:  # else the scheduler said something newer meanwhile
@@ -123,6 +138,11 @@ class EngineClient:
         """``lost``: the scheduler does not answer (its streams are kept: only a
         disconnect, seen by ``_watch_link``, ends them after the resume timeout)."""
         self._unanswered = lost
+        if ok:
+            self._recovering = False
+            self._serving.set()
+        else:
+            self._serving.clear()
         if ok == self.healthy:
             return
         self.healthy = ok
@@ -199,6 +219,7 @@ class EngineClient:
                 if isinstance(msg, fe.EngineStats):
                     if msg.query_id == 0:  # unsolicited: recovery started or ended
                         self._health_news += 1
+                        self._recovering = msg.recovering
                         await self._set_healthy(not msg.recovering)
                         continue
                     self.last_stats = msg
@@ -267,9 +288,10 @@ class EngineClient:
     @property
     def accepting(self) -> bool:
         """New requests are taken while healthy, while a restarted scheduler is
-        awaited (they wait for it), and while the scheduler is only slow to
-        answer (they queue in its inbox); refused while a component recovers."""
-        return self.healthy or self._resuming or self._unanswered
+        awaited (they wait for it), while a component recovers (they wait for
+        it, up to ``recovery_wait_s``) and while the scheduler is only slow to
+        answer (they queue in its inbox)."""
+        return self.healthy or self._resuming or self._unanswered or self._recovering
 
     @property
     def resuming(self) -> bool:
@@ -293,6 +315,11 @@ class EngineClient:
                     raise EngineUnavailable("the engine is unavailable (scheduler lost)") from None
                 if not self.healthy:
                     raise EngineUnavailable("the engine is unavailable (scheduler lost)")
+            if self._recovering and not self.healthy:
+                try:
+                    await asyncio.wait_for(self._serving.wait(), self._recovery_wait_s)
+                except asyncio.TimeoutError:
+                    raise EngineUnavailable("the engine is recovering a component") from None
             self._book.sent(req)
             await self._send(req)
         except BaseException:

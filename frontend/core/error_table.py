@@ -1,6 +1,6 @@
 """The one error vocabulary of both public protocols: every engine error kind
-and every admission refusal maps to one (gRPC code, HTTP status, OpenAI error
-type), and an error after a stream began is one SSE event of OpenAI's shape.
+and every admission refusal maps to one (gRPC code, HTTP status, vLLM error
+type), and an error after a stream began is one SSE event of vLLM's shape.
 gRPC (``server``) and HTTP (``http_gateway``, ``http_batch``) read only this.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from pagedserve.common.messages.frontend import ErrorKind
-from pagedserve.frontend.core.errors import ApiError
+from pagedserve.frontend.core.errors import RETRY_AFTER_S, ApiError, vllm_error_type
 
 
 class RejectReason(enum.Enum):
@@ -27,20 +27,24 @@ class RejectReason(enum.Enum):
 class ErrorClass:
     grpc_code: grpc.StatusCode
     http_status: int
-    openai_type: str
+
+    @property
+    def openai_type(self) -> str:
+        """The body's ``type``: vLLM 0.32's name for the status (``errors.vllm_error_type``)."""
+        return vllm_error_type(self.http_status)
 
 
-_INTERNAL = ErrorClass(grpc.StatusCode.INTERNAL, 500, "server_error")
-_UNAVAILABLE = ErrorClass(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable")
-_BUSY = ErrorClass(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")
+_INTERNAL = ErrorClass(grpc.StatusCode.INTERNAL, 500)
+_UNAVAILABLE = ErrorClass(grpc.StatusCode.UNAVAILABLE, 503)
+_BUSY = ErrorClass(grpc.StatusCode.RESOURCE_EXHAUSTED, 429)
 
 ENGINE_ERRORS: dict[ErrorKind, ErrorClass] = {
     ErrorKind.INTERNAL: _INTERNAL,
     # Can never fit the KV pool: not the client's fault, but retrying as is will not help.
     ErrorKind.KV_CACHE: _BUSY,
     ErrorKind.UNAVAILABLE: _UNAVAILABLE,
-    ErrorKind.INVALID_REQUEST: ErrorClass(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
-    ErrorKind.DATA_LOSS: ErrorClass(grpc.StatusCode.DATA_LOSS, 500, "server_error"),
+    ErrorKind.INVALID_REQUEST: ErrorClass(grpc.StatusCode.INVALID_ARGUMENT, 400),
+    ErrorKind.DATA_LOSS: ErrorClass(grpc.StatusCode.DATA_LOSS, 500),
 }
 
 REJECTIONS: dict[RejectReason, ErrorClass] = {
@@ -50,17 +54,26 @@ REJECTIONS: dict[RejectReason, ErrorClass] = {
 }
 
 
+def retry_trailers(code: grpc.StatusCode) -> tuple[tuple[str, str], ...]:
+    """gRPC's counterpart of HTTP's Retry-After on an UNAVAILABLE refusal: ``retry-after``
+    (seconds) and gRPC's own retry pushback (``grpc-retry-pushback-ms``, read by a channel's
+    retry policy)."""
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return ()
+    return (("retry-after", str(RETRY_AFTER_S)), ("grpc-retry-pushback-ms", str(RETRY_AFTER_S * 1000)))
+
+
 def engine_api_error(kind: ErrorKind, message: str) -> ApiError:
     cls = ENGINE_ERRORS[kind]
-    return ApiError(cls.http_status, message, cls.openai_type, code=kind.name.lower())
+    return ApiError(cls.http_status, message, code=kind.name.lower())
 
 
 def rejected_api_error(reason: RejectReason, message: str) -> ApiError:
     cls = REJECTIONS[reason]
-    return ApiError(cls.http_status, message, cls.openai_type, code=reason.value)
+    return ApiError(cls.http_status, message, code=reason.value)
 
 
 def sse_error_event(err: ApiError) -> dict[str, Any]:
     """The error as a server-sent event's payload (the status line went out
     with the stream's first bytes)."""
-    return {"error": {"message": str(err), "type": err.type, "param": err.param, "code": err.code}}
+    return err.body()

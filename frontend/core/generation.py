@@ -321,8 +321,6 @@ class RequestStream:
                 self.prompt_logprobs = list(d.prompt_logprobs)
             if d.queue_time_s is not None:
                 self.times.queue_time_s, self.times.num_cached_tokens = d.queue_time_s, d.num_cached_tokens
-                if m:
-                    m.queue_time.observe(d.queue_time_s)
             self.times.num_preemptions = max(self.times.num_preemptions, d.num_preemptions)
             st = self.outputs.get(d.index)
             if st is None:

@@ -17,9 +17,10 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
-from prometheus_client import CollectorRegistry
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, Summary
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -28,6 +29,7 @@ from pagedserve.common.metrics import PREFIX, FrontendMetrics
 from pagedserve.frontend.core.engine_client import EngineClient, EngineUnavailable
 
 log = logging.getLogger("pagedserve.frontend")
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 VLLM = "vllm:"
 REFRESH_TIMEOUT_S = 1.0
@@ -38,12 +40,26 @@ ADMISSION_REASONS = {"max_num_queued_reqs": "queue_full", "max_num_queued_tokens
 
 _CONNECTOR = "needs a KV connector (cross-instance KV transfer or offloading), which pagedserve does not have"
 _SPEC = "speculative decoding, which pagedserve does not do"
+# vLLM 0.32 registers these by default and they stay 0 for what is served here, so they are
+# exported at 0: the KV connector's prefix cache (no connector), the multi-modal cache (text
+# models only), and the MFU estimates (counted only with --enable-mfu-metrics, off by default;
+# pagedserve has no FLOP cost model, so they stay 0 even with it).
+ZERO_COUNTERS: dict[str, str] = {
+    "external_prefix_cache_queries": "External prefix cache queries from KV connector cross-instance cache "
+                                     "sharing, in terms of number of queried tokens.",
+    "external_prefix_cache_hits": "External prefix cache hits from KV connector cross-instance cache sharing, "
+                                  "in terms of number of cached tokens.",
+    "mm_cache_queries": "Multi-modal cache queries, in terms of number of queried items.",
+    "mm_cache_hits": "Multi-modal cache hits, in terms of number of cached items.",
+    "estimated_flops_per_gpu": "Estimated number of floating point operations per GPU (for Model Flops "
+                               "Utilization calculations).",
+    "estimated_read_bytes_per_gpu": "Estimated number of bytes read from memory per GPU (for Model Flops "
+                                    "Utilization calculations).",
+    "estimated_write_bytes_per_gpu": "Estimated number of bytes written to memory per GPU (for Model Flops "
+                                     "Utilization calculations).",
+}
 ABSENT: dict[str, str] = {
-    "vllm:external_prefix_cache_queries": _CONNECTOR,
-    "vllm:external_prefix_cache_hits": _CONNECTOR,
     "vllm:num_requests_kv_fetch_by_stage": _CONNECTOR,
-    "vllm:mm_cache_queries": "multi-modal inputs, which pagedserve does not take",
-    "vllm:mm_cache_hits": "multi-modal inputs, which pagedserve does not take",
     "vllm:spec_decode_num_drafts": _SPEC,
     "vllm:spec_decode_num_draft_tokens": _SPEC,
     "vllm:spec_decode_num_accepted_tokens": _SPEC,
@@ -51,10 +67,6 @@ ABSENT: dict[str, str] = {
     "vllm:diffusion_num_denoising_steps": "diffusion language models, which pagedserve does not serve",
     "vllm:diffusion_num_canvas_positions": "diffusion language models, which pagedserve does not serve",
     "vllm:diffusion_num_committed_tokens": "diffusion language models, which pagedserve does not serve",
-    "vllm:estimated_flops_per_gpu": "vLLM's per-model FLOP and byte estimates (--enable-mfu-metrics); "
-                                    "pagedserve has no such cost model",
-    "vllm:estimated_read_bytes_per_gpu": "as estimated_flops_per_gpu",
-    "vllm:estimated_write_bytes_per_gpu": "as estimated_flops_per_gpu",
     "vllm:corrupted_requests": "only with VLLM_COMPUTE_NANS_IN_LOGITS; pagedserve does not scan logits for NaNs",
     "vllm:watermark_requests": "output watermarking, which pagedserve does not do",
     "vllm:kv_block_lifetime_seconds": "opt-in in vLLM (--kv-cache-metrics); the blockmgr does not time its blocks",
@@ -191,6 +203,8 @@ class _EngineSeries:
                             {"": s.prefix_cache_queries * bs})
         yield self._counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
                             {"": hits})
+        for name, doc in ZERO_COUNTERS.items():
+            yield self._counter(name, doc, {"": 0.0})
         yield self._counter("prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache tier that "
                             "supplied them (here always the device's pool).",
                             {src: hits if src == "device" else 0.0 for src in CACHE_HIT_SOURCES}, "source")
@@ -206,3 +220,71 @@ def add_vllm_metrics(metrics: FrontendMetrics, engine: EngineClient, cfg: Engine
     registry.register(collector)
     engine.on_outputs = metrics.observe_step
     return collector
+
+
+# ------------------------------------------------------------------ HTTP families
+# vLLM 0.32 instruments its FastAPI app with prometheus-fastapi-instrumentator's defaults
+# (serve/instrumentator/metrics.py): these five families, unprefixed, status grouped as
+# "2xx", handler the route's template ("none" when no route matched), and its excluded routes.
+HTTP_EXCLUDED = frozenset({"/metrics", "/health", "/load", "/ping", "/version", "/server_info"})
+HTTP_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 7.5,
+                      10, 30, 60)
+HTTP_LOWR_BUCKETS = (0.1, 0.5, 1)
+_HTTP: dict[int, "HttpMetrics"] = {}  # one set per registry (an app may be built twice on one)
+
+
+class HttpMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.total = Counter("http_requests_total", "Total number of requests by method, status and handler.",
+                             ["method", "status", "handler"], registry=registry)
+        self.in_size = Summary("http_request_size_bytes", "Content length of incoming requests by handler. "
+                               "Only value of header is respected. Otherwise ignored. No percentile calculated. ",
+                               ["handler"], registry=registry)
+        self.out_size = Summary("http_response_size_bytes", "Content length of outgoing responses by handler. "
+                                "Only value of header is respected. Otherwise ignored. No percentile calculated. ",
+                                ["handler"], registry=registry)
+        self.highr = Histogram("http_request_duration_highr_seconds", "Latency with many buckets but no API "
+                               "specific labels. Made for more accurate percentile calculations. ",
+                               buckets=HTTP_HIGHR_BUCKETS, registry=registry)
+        self.lowr = Histogram("http_request_duration_seconds", "Latency with only few buckets by handler. Made "
+                              "to be only used if aggregation by handler is important. ",
+                              ["method", "handler"], buckets=HTTP_LOWR_BUCKETS, registry=registry)
+
+    @classmethod
+    def on(cls, registry: CollectorRegistry) -> "HttpMetrics":
+        if id(registry) not in _HTTP:
+            _HTTP[id(registry)] = cls(registry)
+        return _HTTP[id(registry)]
+
+    @staticmethod
+    def handler_of(request: web.Request) -> str:
+        route = request.match_info.route
+        resource = getattr(route, "resource", None)
+        if resource is None or isinstance(request.match_info.http_exception, web.HTTPNotFound):
+            return "none"
+        return resource.canonical
+
+    def observe(self, request: web.Request, status: int, out_bytes: int, seconds: float) -> None:
+        handler = self.handler_of(request)
+        if handler in HTTP_EXCLUDED:
+            return
+        self.total.labels(request.method, f"{str(status)[0]}xx", handler).inc()
+        self.in_size.labels(handler).observe(int(request.headers.get("Content-Length", 0) or 0))
+        self.out_size.labels(handler).observe(out_bytes)
+        self.highr.observe(seconds)
+        self.lowr.labels(request.method, handler).observe(seconds)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        status, size = 500, 0
+        try:
+            resp = await handler(request)
+            # The instrumentator reads the Content-Length header: a stream has none (0).
+            status, size = resp.status, (resp.content_length or 0) if isinstance(resp, web.Response) else 0
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        finally:
+            self.observe(request, status, size, time.perf_counter() - t0)

@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pagedserve.frontend.core.error_table import ENGINE_ERRORS, REJECTIONS
+from pagedserve.frontend.core.error_table import ENGINE_ERRORS, REJECTIONS, retry_trailers
 from pagedserve.frontend.core.auth import ApiKeys, AuthInterceptor, metadata_value
 from pagedserve.frontend.core.engine_client import DuplicateRequestId, EngineUnavailable
 from pagedserve.frontend.grpc_api.grpc_decode import add_servicer
@@ -67,7 +67,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _require_ready(self, context: grpc.aio.ServicerContext) -> None:
         if not self.svc.ready:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still starting")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still starting",
+                                retry_trailers(grpc.StatusCode.UNAVAILABLE))
 
     def _key_id(self, context: grpc.aio.ServicerContext) -> str | None:
         if not self.keys.enabled:
@@ -84,7 +85,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             stream = await self.svc.open(req, self._key_id(context))
         except Rejected as e:
-            await context.abort(REJECTIONS[e.reason].grpc_code, str(e))
+            await context.abort(REJECTIONS[e.reason].grpc_code, str(e), retry_trailers(REJECTIONS[e.reason].grpc_code))
         except DuplicateRequestId:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {req.request_id!r} is already running")
         try:

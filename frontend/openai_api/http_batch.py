@@ -24,7 +24,8 @@ from pagedserve.frontend.core import error_table
 from pagedserve.frontend.core.errors import ApiError
 from pagedserve.frontend.openai_api.http_fields import check_ids, is_token_id
 from pagedserve.frontend.core.generation import EngineError, RequestStream
-from pagedserve.frontend.openai_api.http_response import cached_details, completion_logprobs, event_stream, prompt_logprobs, usage
+from pagedserve.frontend.openai_api.http_response import (cached_details, completion_logprobs, event_stream,
+                                                        prompt_logprobs, usage, with_vllm_nulls)
 from pagedserve.frontend.openai_api.http_shared import Ctx, GatewayApi
 from pagedserve.frontend.openai_api.openai_extras import Extras
 from pagedserve.frontend.core.outputs import Chunk, Logprob
@@ -138,8 +139,9 @@ async def run_batch(gw: GatewayApi, request: web.Request, x: Extras, prompts: li
                 if plp is not None:
                     ch["prompt_logprobs"] = plp
                 choices.append(ch)
-        return web.json_response({"id": ctx.id, "object": ctx.object, "created": ctx.created, "model": ctx.model,
-                                  "choices": choices, "usage": _usage(streams, ctx, False)})
+        return web.json_response(with_vllm_nulls({"id": ctx.id, "object": ctx.object, "created": ctx.created,
+                                                  "model": ctx.model, "choices": choices,
+                                                  "usage": _usage(streams, ctx, False)}, chat=False))
     except EngineError as e:
         raise engine_api_error(e) from None
     finally:

@@ -13,15 +13,21 @@ cannot hold the server's sockets forever.
   is closed.
 
 Each reads a ``PAGEDSERVE_HTTP_*`` environment variable (tests shorten them).
+
+A request aiohttp cannot parse (a header with a NUL byte, a bad request line) is
+answered 400 by aiohttp and logged here as one WARNING line, without a traceback:
+it is the client's fault, not the server's.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from pagedserve.common.env import env
@@ -33,6 +39,24 @@ MAX_CONNECTIONS = 1024  # open HTTP connections, idle ones included
 LINGER_S = 2.0  # after an answer sent before the body was read (e.g. 413), discard the rest this long
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _ClientFaultFilter(logging.Filter):
+    """aiohttp logs a request it could not parse with ``logger.exception`` (an ERROR and a
+    traceback); this turns such a record into one WARNING line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 400) < 500:
+            remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg, record.args = "bad HTTP request from %s answered %d: %.200r", (remote, exc.code or 400,
+                                                                                   exc.message)
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("aiohttp.server").addFilter(_ClientFaultFilter())
 
 
 @dataclass(frozen=True)
@@ -85,8 +109,7 @@ async def send_and_close(request: web.Request, err: ClosingError) -> web.StreamR
 
 
 def _refusal(max_connections: int) -> bytes:
-    body = json.dumps({"error": {"message": f"too many open connections (at most {max_connections})",
-                                 "type": "service_unavailable", "param": None, "code": "too_many_connections"}})
+    body = json.dumps(ApiError(503, f"too many open connections (at most {max_connections})").body())
     return (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
             f"Connection: close\r\nRetry-After: 1\r\n\r\n{body}").encode()
 

@@ -2,13 +2,17 @@
 with vLLM's request and response shapes. Auth as every other route."""
 from __future__ import annotations
 
+import functools
+import time
+import uuid
 from typing import Any
 
 from aiohttp import web
 
+from pagedserve.frontend.openai_api import openai_extras, openai_tools
 from pagedserve.frontend.core.chat_template import has_chat_template, render_chat
 from pagedserve.frontend.core.errors import ApiError
-from pagedserve.frontend.openai_api.http_fields import DETOKENIZE_FIELDS, TOKENIZE_FIELDS, check_fields
+from pagedserve.frontend.openai_api.http_fields import check_fields
 from pagedserve.frontend.openai_api.http_shared import GatewayApi
 from pagedserve.frontend.core.validation import MAX_CHAT_MESSAGES, ValidationError, check_text, check_token_ids
 from pagedserve.common.version import version as pagedserve_version
@@ -25,18 +29,43 @@ def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
-def _conversation(messages: Any) -> list[dict[str, str]]:
-    if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_CHAT_MESSAGES:
-        raise ApiError(400, f"messages: must be a list of 1 to {MAX_CHAT_MESSAGES} messages", param="messages")
-    conv = []
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
-            raise ApiError(400, "messages: each message needs a role and text content", param="messages")
-        conv.append({"role": m["role"], "content": content})
-    return conv
+# Every field of vLLM 0.32's TokenizeCompletionRequest / TokenizeChatRequest / DetokenizeRequest.
+# Honoured: all but the two multimodal ones, which are ignored (the models served here are text only,
+# there is no HF processor or media connector to hand them to).
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                             "return_token_strs", "continue_final_message", "chat_template",
+                             "chat_template_kwargs", "tools", "media_io_kwargs", "mm_processor_kwargs"})
+DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+_TEXT_ONLY = ("media_io_kwargs", "mm_processor_kwargs")
+
+
+def _chat_prompt(gw: GatewayApi, body: dict[str, Any]) -> str:
+    """The templated text, as the chat route renders it (vLLM's tokenize uses its chat renderer)."""
+    for key in _TEXT_ONLY:
+        if body.get(key) is not None and not isinstance(body[key], dict):
+            raise ApiError(400, f"{key}: must be an object", param=key)
+    if body.get("continue_final_message") and _bool(body, "add_generation_prompt", True):
+        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                       param="continue_final_message")  # vLLM's check_generation_prompt
+    try:
+        conv = openai_tools.chat_messages(body["messages"])
+        # The tools are rendered into the prompt, as the chat route does; nothing is enforced here.
+        _, tools, _ = openai_tools.take_tools({"tools": body.get("tools"), "tool_choice": "none"}, gw.opts)
+        template, kwargs = openai_extras._template(body, gw.opts)  # the chat route's checks and vLLM's merge
+    except ValidationError as e:
+        raise ApiError(400, str(e), param=e.field) from None
+    if len(conv) > MAX_CHAT_MESSAGES:
+        raise ApiError(400, f"messages: at most {MAX_CHAT_MESSAGES} messages", param="messages")
+    tok = gw.svc.tokenizer
+    template = template or gw.opts.chat_template
+    if not template and not has_chat_template(tok):
+        raise ApiError(400, "messages: this model has no chat template", param="messages")
+    conv, tools = openai_tools.as_vllm_renders(conv, tools, template or getattr(tok, "chat_template", None))
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    try:
+        return render_chat(tok, conv, tools, add_generation_prompt, template, kwargs)
+    except ValidationError as e:
+        raise ApiError(400, str(e), param=e.field) from None
 
 
 async def tokenize(gw: GatewayApi, request: web.Request) -> web.Response:
@@ -46,11 +75,7 @@ async def tokenize(gw: GatewayApi, request: web.Request) -> web.Response:
     if body.get("messages") is not None:
         if body.get("prompt") is not None:
             raise ApiError(400, "prompt: give either prompt or messages", param="prompt")
-        tok = svc.tokenizer
-        if not has_chat_template(tok):
-            raise ApiError(400, "messages: this model has no chat template", param="messages")
-        text = render_chat(tok, _conversation(body["messages"]),
-                           add_generation_prompt=_bool(body, "add_generation_prompt", True))
+        text = _chat_prompt(gw, body)
         add_special = _bool(body, "add_special_tokens", False)  # the template wrote them
         field = "messages"
     else:
@@ -86,11 +111,24 @@ async def detokenize(gw: GatewayApi, request: web.Request) -> web.Response:
     return web.json_response({"prompt": text})
 
 
+def model_list(name: str, info: Any) -> dict[str, Any]:
+    """vLLM 0.32's ModelList: one ModelCard (``root`` the model it loaded) with one ModelPermission."""
+    now = int(time.time())
+    perm = {"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission", "created": now,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": now, "owned_by": "pagedserve",
+                                        "root": info.model_name, "parent": None,
+                                        "max_model_len": info.max_model_len, "permission": [perm]}]}
+
+
 async def version(gw: GatewayApi, request: web.Request) -> web.Response:
     return web.json_response({"version": pagedserve_version()})
 
 
 def add_routes(gw: GatewayApi, app: web.Application) -> None:
-    app.router.add_post("/tokenize", lambda r: tokenize(gw, r))
-    app.router.add_post("/detokenize", lambda r: detokenize(gw, r))
-    app.router.add_get("/version", lambda r: version(gw, r))
+    # partial keeps them coroutine functions (aiohttp deprecates plain callables as handlers)
+    app.router.add_post("/tokenize", functools.partial(tokenize, gw))
+    app.router.add_post("/detokenize", functools.partial(detokenize, gw))
+    app.router.add_get("/version", functools.partial(version, gw))

@@ -47,6 +47,7 @@ from pagedserve.frontend.core.prompt_options import InputOptions, with_sampler_e
 from pagedserve.frontend.openai_api.reasoning import chat as reasoning_chat
 from pagedserve.frontend.openai_api.tool_parsers import PARSERS
 from pagedserve.frontend.core.validation import MAX_REQUEST_BYTES, Limits, ValidationError
+from pagedserve.frontend.core.vllm_metrics import HttpMetrics
 from pagedserve.v1 import generation_pb2 as pb
 
 log = logging.getLogger("pagedserve.frontend")
@@ -79,7 +80,8 @@ class Gateway:
 
     # ------------------------------------------------------------ plumbing
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[self.guard.middleware, self._errors])
+        outer = [self.guard.middleware] + ([HttpMetrics.on(self.registry).middleware] if self.registry else [])
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES, middlewares=[*outer, self._errors])
         server_flags.install(app, self.flags)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -107,7 +109,8 @@ class Gateway:
         except web.HTTPException as e:
             if e.status == 413:
                 return ApiError(413, f"body: larger than {MAX_REQUEST_BYTES} bytes", param="body").response()
-            return ApiError(e.status, e.reason, code=str(e.status)).response()
+            allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # a 405 names the methods
+            return ApiError(e.status, e.reason, routing=True, headers=allow).response()
 
     def _key_id(self, request: web.Request) -> str | None:
         if not self.keys.enabled:
@@ -138,8 +141,8 @@ class Gateway:
         model = body.get("model")
         if model is not None and model not in (self.model_name(), *self.served_names,
                                                self.svc.info.model.model_name):
-            raise ApiError(404, f"model: {model!r} is not served here (try {self.model_name()!r})",
-                           param="model", code="model_not_found")
+            raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {self.model_name()}.",
+                           param="model", code="model_not_found")  # vLLM's words
         return body
 
     # ------------------------------------------------------------ simple routes
@@ -153,10 +156,7 @@ class Gateway:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
-        name = self.model_name()
-        info = self.svc.info.model
-        return web.json_response({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "max_model_len": info.max_model_len}]})
+        return web.json_response(http_extras.model_list(self.model_name(), self.svc.info.model))
 
     # ------------------------------------------------------------ translation
     async def _sampling_off_loop(self, body: dict[str, Any], max_tokens: Any, x: Extras,

@@ -92,6 +92,35 @@ def cached_details(ctx: Ctx, stream: RequestStream, streaming: bool) -> dict[str
     return prompt_tokens_details(stream.times.num_cached_tokens, streaming) if ctx.prompt_details else None
 
 
+# The fields vLLM 0.32's non-streamed response models dump as null when nothing set them
+# (ChatCompletionResponse / CompletionResponse and their choices, ChatMessage): present here
+# too, for clients that read them. Only defaults: whoever set a value (reasoning, prompt
+# logprobs, token ids) keeps it. ``tool_calls`` is left out when empty, as vLLM's ChatMessage.
+_TOP_NULLS = ("service_tier", "system_fingerprint", "kv_transfer_params", "ec_transfer_params", "metrics")
+_CHAT_TOP_NULLS = (*_TOP_NULLS, "prompt_logprobs", "prompt_token_ids", "prompt_text")
+_CHOICE_NULLS = ("logprobs", "finish_reason", "stop_reason", "token_ids", "routed_experts")
+_COMPLETION_CHOICE_NULLS = (*_CHOICE_NULLS, "prompt_logprobs", "prompt_token_ids")
+_MESSAGE_NULLS = ("content", "refusal", "annotations", "audio", "function_call", "reasoning")
+
+
+def with_vllm_nulls(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    for k in _CHAT_TOP_NULLS if chat else _TOP_NULLS:
+        body.setdefault(k, None)
+    if isinstance(body.get("usage"), dict):  # streamed usage leaves them out, as vLLM's (exclude_unset)
+        body["usage"].setdefault("prompt_tokens_details", None)
+        body["usage"].setdefault("completion_tokens_details", None)
+    for ch in body.get("choices", ()):
+        for k in _CHOICE_NULLS if chat else _COMPLETION_CHOICE_NULLS:
+            ch.setdefault(k, None)
+        msg = ch.get("message")
+        if isinstance(msg, dict):
+            for k in _MESSAGE_NULLS:
+                msg.setdefault(k, None)
+            if msg.get("tool_calls") == []:
+                del msg["tool_calls"]
+    return body
+
+
 def completion_logprobs(gw: GatewayApi, entries: list[tuple[int, Logprob | None]], as_id: bool,
                         offset: int = 0, context: list[int] | None = None) -> dict[str, Any]:
     """OpenAI's legacy logprobs as vLLM writes them: an entry without a logprob (the
@@ -193,7 +222,7 @@ def chat_response(gw: GatewayApi, ctx: Ctx, stream: RequestStream, merged: dict[
             out["prompt_token_ids"] = stream.req.prompt_ids
         if x.return_prompt_text:
             out["prompt_text"] = ctx.prompt_text
-    return out
+    return with_vllm_nulls(out, chat=True)
 
 
 async def chat_stream(request: web.Request, stream: RequestStream, ctx: Ctx, choice: Choice,
