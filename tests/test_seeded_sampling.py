@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from pagedserve.bench.peer_engines import PEERS_VENV
+from benchmarks.peer_engines import PEERS_VENV
 from pagedserve.common.messages.types import SamplingParams
 from pagedserve.gpuworker.sampler import Sampler
 from pagedserve.gpuworker.seeded import gumbel_argmax
@@ -184,7 +184,7 @@ def _cases() -> list[tuple[str, int]]:
                     reason="opt-in (PAGEDSERVE_TEST_VLLM_SEED=1; vLLM takes minutes to start) and needs the peer venv")
 def test_twenty_seeded_requests_give_vllms_text() -> None:
     from pagedserve.bench.serve_proc import start_serve
-    from pagedserve.bench.vllm_server import start_vllm_serve
+    from benchmarks.vllm_server import start_vllm_serve
     from pagedserve.common.default_model import resolve_model
 
     model = resolve_model(None)
