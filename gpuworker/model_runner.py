@@ -292,9 +292,9 @@ class ModelRunner:
         error: Exception | None = None
         prompt_lps: list[PromptLogprobs] = []
         for plan in batch.prompt_logprobs:
-            entries = self._prompt_logprobs(hidden, plan)
-            if entries is not None:
-                prompt_lps.append(PromptLogprobs(plan.seq_id, plan.start, entries))
+            scored = self._prompt_logprobs(hidden, plan)
+            if scored is not None:
+                prompt_lps.append(PromptLogprobs(plan.seq_id, plan.start, *scored))
         seqs = [scheduled[r][0] for r in batch.sample_rows]
         token_ids: list[int] = [0] * len(seqs)
         logprobs: list[float | None] = [None] * len(seqs)
@@ -327,11 +327,13 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, plan: PromptLogprobPlan
-    ) -> list[tuple[float, list[tuple[int, float]]]] | None:
+    ) -> tuple[list[tuple[float, list[tuple[int, float]]]], list[int]] | None:
         """log_softmax of the raw logits at each scored position: the prompt
-        token's logprob and the top-k (rank 0; None elsewhere). Chunked to
+        token's logprob, the top-k and the token's rank as vLLM counts it (the
+        logprobs >= its own). Rank 0 only; None elsewhere. Chunked to
         max_num_seqs rows, the logits size the memory profile accounted for."""
         entries: list[tuple[float, list[tuple[int, float]]]] = []
+        ranks: list[int] = []
         chunk = max(1, self.cfg.max_num_seqs)
         k = min(plan.top_k, self.vocab_size)
         for lo in range(0, len(plan.rows), chunk):
@@ -340,11 +342,13 @@ class ModelRunner:
             if not self.tp.is_driver:
                 continue
             targets = torch.tensor(plan.targets[lo : lo + chunk], dtype=torch.long, device=self.device)
-            chosen = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+            chosen_t = lp.gather(1, targets[:, None])
+            ranks += (lp >= chosen_t).sum(-1).tolist()
+            chosen = chosen_t.squeeze(1).tolist()
             top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())
             for c, ids, vals in zip(chosen, top_i.tolist(), top_v.tolist()):
                 entries.append((c, list(zip(ids, vals))))
-        return entries if self.tp.is_driver else None
+        return (entries, ranks) if self.tp.is_driver else None
 
     def _check_new(self, new: NewSeq) -> None:
         """What only a model worker checks of a new sequence (``SeqStates`` checks the rest)."""

@@ -52,6 +52,8 @@ class StepResults:
             # Entries start at position 1; a recompute after preemption sends known ones again.
             have = 1 + len(group.prompt_logprobs)
             group.prompt_logprobs += pl.entries[max(0, have - pl.start):]
+            if len(pl.ranks) == len(pl.entries):  # ranks only while every entry has one
+                group.prompt_logprob_ranks += pl.ranks[max(0, have - pl.start):]
         beam_groups: list[SequenceGroup] = []
         for st in result.sampled:
             group = requests.group_of(st.seq_id)
@@ -74,6 +76,8 @@ class StepResults:
                 delta.logprobs = [(st.logprob if st.logprob is not None else 0.0, st.top_logprobs)]
             if group.params.prompt_logprobs is not None and not group.prompt_logprobs_sent:
                 delta.prompt_logprobs, group.prompt_logprobs_sent = group.prompt_logprobs, True
+                if len(group.prompt_logprob_ranks) == len(group.prompt_logprobs):
+                    delta.prompt_logprob_ranks = group.prompt_logprob_ranks
             if not group.queue_time_sent:
                 delta.queue_time_s, group.queue_time_sent = group.queue_time_s, True
                 delta.num_cached_tokens = group.num_cached_tokens

@@ -65,6 +65,7 @@ class SequenceGroup:
     beam: BeamSearch | None = None
     beam_tops: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # this step's reports
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    prompt_logprob_ranks: list[int] = field(default_factory=list)  # per entry; empty from an older worker
     prompt_logprobs_sent: bool = False
     queue_time_s: float | None = None  # set at first admission
     queue_time_sent: bool = False

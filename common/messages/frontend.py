@@ -76,6 +76,8 @@ class TokenDelta(msgspec.Struct, array_like=True):
     # Sent once, with the first delta, when params.prompt_logprobs is set
     # (the first prompt token has no logprob and is left out).
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+    # Per prompt_logprobs entry: the token's vocabulary rank (empty: not known).
+    prompt_logprob_ranks: list[int] = []
     # Beam search sends each final beam whole: token_ids then replace, not extend.
     replace: bool = False
     cumulative_logprob: float | None = None

@@ -94,6 +94,9 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
     start: int  # position of the first entry's token in the sequence
     # per position: (logprob of the actual token, top-k (token, logprob))
     entries: list[tuple[float, list[tuple[int, float]]]]
+    # per entry: vLLM's rank of the actual token in the vocabulary (how many
+    # logprobs are >= its own); empty from a peer that does not send ranks
+    ranks: list[int] = []
 
 
 class GrammarStatus(msgspec.Struct, array_like=True):

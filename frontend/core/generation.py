@@ -269,6 +269,7 @@ class RequestStream:
         self.n = req.prep.params.n
         self.outputs: dict[int, OutputState] = {}
         self.prompt_logprobs: list[Logprob] | None = None
+        self.prompt_logprob_ranks: list[int] = []  # per prompt_logprobs entry; empty: not known (an older peer)
         self.arrival = time.monotonic()
         self.times = RequestTimes(self.arrival)  # for the per-request metrics at its end
         self._last_token_at: dict[int, float] = {}
@@ -319,6 +320,7 @@ class RequestStream:
                 raise EngineError(d.error, d.error_kind)
             if d.prompt_logprobs and self.prompt_logprobs is None:
                 self.prompt_logprobs = list(d.prompt_logprobs)
+                self.prompt_logprob_ranks = list(d.prompt_logprob_ranks)
             if d.queue_time_s is not None:
                 self.times.queue_time_s, self.times.num_cached_tokens = d.queue_time_s, d.num_cached_tokens
             self.times.num_preemptions = max(self.times.num_preemptions, d.num_preemptions)

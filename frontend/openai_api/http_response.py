@@ -173,16 +173,19 @@ def chat_logprobs(gw: GatewayApi, c: Chunk, as_id: bool, context: list[int] | No
 
 def prompt_logprobs(gw: GatewayApi, stream: RequestStream) -> list[dict[str, Any] | None] | None:
     """vLLM's ``prompt_logprobs``: null for the first token, then {id: {logprob, rank, decoded_token}}
-    for the prompt token and the top ones (rank: the place among the top ones; the prompt token's
-    is null when it is not among them)."""
+    for the prompt token and the top ones. Ranks as vLLM's: a top one's is its place among the top
+    ones (so is the prompt token's when it is one of them); else the prompt token's vocabulary rank
+    from the worker (null only from a worker too old to send it)."""
     if stream.req.prep.params.prompt_logprobs is None:
         return None
     ids, entries = stream.req.prompt_ids, stream.prompt_logprobs or []
+    vocab_ranks: list[int | None] = list(stream.prompt_logprob_ranks) or [None] * len(entries)
     out: list[dict[str, Any] | None] = [None]
-    for i, (tok, (lp, top)) in enumerate(zip(ids[1:], entries)):
+    for i, (tok, (lp, top), vrank) in enumerate(zip(ids[1:], entries, vocab_ranks)):
         ranks = {t: r for r, (t, _) in enumerate(top, 1)}
         context = ids[max(1, i + 1 - MAX_BYTE_CONTEXT):i + 1]  # vLLM's: the prompt tokens with a logprob before
-        d = {str(tok): {"logprob": _lp(lp), "rank": ranks.get(tok), "decoded_token": decoded_token(gw, tok, context)}}
+        d = {str(tok): {"logprob": _lp(lp), "rank": ranks.get(tok, vrank),
+                        "decoded_token": decoded_token(gw, tok, context)}}
         for t, v in top:
             d.setdefault(str(t), {"logprob": _lp(v), "rank": ranks[t], "decoded_token": decoded_token(gw, t, context)})
         out.append(d)
