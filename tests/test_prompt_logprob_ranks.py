@@ -9,7 +9,6 @@ import json
 import random
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
 
 import msgspec
 import pytest
