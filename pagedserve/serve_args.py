@@ -96,12 +96,12 @@ def refuse(message: str) -> NoReturn:
 
 
 def _refusals(args: argparse.Namespace) -> None:
-    if args.quantization == "gguf":  # vLLM's flag for a .gguf model; its weights are dequantized (launcher)
+    if args.quantization == "gguf":  # vLLM's flag for a .gguf model; its blocks stay quantized (gpuworker)
         if not (args.model and is_gguf(args.model)):
             refuse("--quantization gguf: the model must be a .gguf file")
     elif args.quantization not in (None, "none", "None"):
-        refuse(f"--quantization {args.quantization}: not supported (no quantized kernels); serve the "
-               "unquantized model, or a .gguf file (dequantized on loading)")
+        refuse(f"--quantization {args.quantization}: not supported (quantized kernels serve GGUF blocks only); "
+               "serve the unquantized model, or a .gguf file (its blocks stay quantized)")
     if args.enable_lora:
         refuse("--enable-lora: LoRA adapters are not supported")
     if args.pipeline_parallel_size != 1:
