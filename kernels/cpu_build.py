@@ -51,6 +51,7 @@ SIGNATURES = {
     "pagedserve_linear": [_i32, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
     "pagedserve_llama_stack": [_ptr],
     "pagedserve_quant_repack": [_i32, _ptr, _ptr, _i64, _i64, _i64],
+    "pagedserve_quant_unpack": [_i32, _ptr, _ptr, _i64, _i64, _i64],
     "pagedserve_quant_act": [_i32, _ptr, _i64, _i64, _ptr, _ptr, _ptr],
     "pagedserve_quant_linear": [_i32, _i32, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
 }

@@ -59,8 +59,10 @@ def quant_type(name: str) -> QuantType:
 class QuantWeight:
     """One quantized [out_features, in_features] weight, the file's blocks as they are.
 
-    ``packed`` is the compiled kernels' layout, set by ``prepare`` (None: not prepared)."""
-    data: torch.Tensor  # uint8 [out_features, row_bytes]
+    ``packed`` is the compiled kernels' layout, set by ``prepare`` (None: not prepared).
+    ``prepare(w, keep_blocks=False)`` drops ``data`` (None after), so the weight is held
+    once; ``blocks()`` then rebuilds the file's bytes from ``packed``, exactly."""
+    data: torch.Tensor | None  # uint8 [out_features, row_bytes]
     qtype: str
     shape: tuple[int, int]  # (out_features, in_features)
     packed: torch.Tensor | None = field(default=None, repr=False)
@@ -74,7 +76,10 @@ class QuantWeight:
             raise ValueError(f"{qt.name} weight {self.shape}: in_features must be a positive multiple of "
                              f"{qt.block_size}")
         want = (out_f, in_f // qt.block_size * qt.type_size)
-        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
+        if self.data is None:
+            if self.packed is None:
+                raise ValueError(f"{qt.name} weight {self.shape}: neither blocks nor a packed form")
+        elif self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
             raise ValueError(f"{qt.name} weight {self.shape}: data must be uint8 {want}, "
                              f"got {self.data.dtype} {tuple(self.data.shape)}")
 
@@ -89,14 +94,26 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the blocks, plus the packed copy if prepared."""
-        return self.data.numel() + (0 if self.packed is None else self.packed.numel())
+        """Bytes held: the blocks and/or their packed form."""
+        return sum(t.numel() for t in (self.data, self.packed) if t is not None)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.shape[1] // self.quant.block_size * self.quant.type_size
+
+    def blocks(self) -> torch.Tensor:
+        """The file's blocks, uint8 [out_features, row_bytes] (rebuilt from ``packed`` if dropped)."""
+        if self.data is not None:
+            return self.data
+        from pagedserve.kernels import quant_cpu
+
+        return quant_cpu.unpack(self)
 
     def split_rows(self, start: int, end: int) -> QuantWeight:
         """Output features [start, end) (a tensor-parallel shard), unprepared."""
         if not 0 <= start < end <= self.shape[0]:
             raise ValueError(f"split_rows({start}, {end}) of {self.shape[0]} rows")
-        return QuantWeight(self.data[start:end].contiguous(), self.qtype, (end - start, self.shape[1]))
+        return QuantWeight(self.blocks()[start:end].contiguous(), self.qtype, (end - start, self.shape[1]))
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -121,7 +138,7 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     """float32 [out_features, in_features], exactly as ggml dequantizes the blocks."""
     qt = w.quant
     n, k = w.shape
-    b = w.data.reshape(n, k // qt.block_size, qt.type_size)
+    b = w.blocks().reshape(n, k // qt.block_size, qt.type_size)
     if qt.name == "Q8_0":
         out = _f16(b[..., 0:2]) * b[..., 2:].contiguous().view(torch.int8).float()
     elif qt.name == "Q4_0":
@@ -148,12 +165,17 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     return out.reshape(n, k)
 
 
-def prepare(w: QuantWeight) -> QuantWeight:
+def prepare(w: QuantWeight, keep_blocks: bool = True) -> QuantWeight:
     """Repacks ``w`` once for the compiled kernels (``w.packed``), where they are built;
-    without them ``quant_linear`` dequantizes per call. Returns ``w``."""
+    without them ``quant_linear`` dequantizes per call. ``keep_blocks=False`` then drops
+    ``w.data`` (the packed form is the same bytes reordered; ``blocks()`` rebuilds them).
+    Returns ``w``."""
     from pagedserve.kernels import quant_cpu
 
-    w.packed = quant_cpu.repack(w)
+    if w.packed is None:
+        w.packed = quant_cpu.repack(w)
+    if w.packed is not None and not keep_blocks:
+        w.data = None
     return w
 
 

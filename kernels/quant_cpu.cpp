@@ -116,6 +116,70 @@ void pack_block(int qt, const uint8_t* src, uint8_t* u, int r) {
   }
 }
 
+// 32 nibbles of row r back from a group's nibble vectors (put_nibbles' inverse).
+inline void get_nibbles(const uint8_t* n, int r, uint8_t* q) {
+  for (int j = 0; j < 4; ++j)
+    for (int t = 0; t < 4; ++t) {
+      const uint8_t b = n[j * 64 + r * 4 + t];
+      q[4 * j + t] = b & 0x0F;
+      q[16 + 4 * j + t] = b >> 4;
+    }
+}
+
+// pack_block's inverse: row r of the group's unit at u back into the file's block at dst.
+void unpack_block(int qt, const uint8_t* u, uint8_t* dst, int r) {
+  uint8_t q[32];
+  switch (qt) {
+    case Q8_0:
+      std::memcpy(dst, u + 512 + 2 * r, 2);
+      for (int k = 0; k < 32; ++k) dst[2 + k] = u[(k / 4) * 64 + r * 4 + k % 4] ^ 0x80u;
+      break;
+    case Q4_0:
+    case Q4_1: {
+      const int off = qt == Q4_1 ? 4 : 2;
+      std::memcpy(dst, u + 256 + 2 * r, 2);
+      if (qt == Q4_1) std::memcpy(dst + 2, u + 288 + 2 * r, 2);
+      get_nibbles(u, r, q);
+      for (int k = 0; k < 16; ++k) dst[off + k] = static_cast<uint8_t>(q[k] | (q[16 + k] << 4));
+      break;
+    }
+    case Q4_K: {
+      std::memcpy(dst, u + 2 * r, 2);
+      std::memcpy(dst + 2, u + 32 + 2 * r, 2);
+      uint8_t sc[8], mn[8];
+      for (int j = 0; j < 8; ++j) sc[j] = u[64 + j * G + r], mn[j] = u[192 + j * G + r];
+      uint8_t* s = dst + 4;
+      for (int j = 0; j < 4; ++j) {
+        s[j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
+        s[j + 4] = static_cast<uint8_t>(mn[j] | ((mn[j + 4] >> 4) << 6));
+        s[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0x0F) | ((mn[j + 4] & 0x0F) << 4));
+      }
+      for (int j = 0; j < 8; ++j) {
+        get_nibbles(u + 320 + j * 256, r, q);
+        uint8_t* qs = dst + 16 + (j / 2) * 32;
+        for (int l = 0; l < 32; ++l) qs[l] = static_cast<uint8_t>(j % 2 ? qs[l] | (q[l] << 4) : q[l]);
+      }
+      break;
+    }
+    case Q6_K: {
+      std::memcpy(dst + 208, u + 2 * r, 2);
+      for (int j = 0; j < 16; ++j) dst[192 + j] = u[32 + j * G + r];
+      std::memset(dst, 0, 192);
+      for (int s = 0; s < 8; ++s) {
+        const int h = s / 4, i = s % 4;
+        const uint8_t* sub = u + 288 + s * 384;
+        get_nibbles(sub, r, q);
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t hi = (sub[256 + (l / 16) * 64 + r * 4 + l % 4] >> (2 * ((l / 4) % 4))) & 3;
+          dst[h * 64 + (i % 2) * 32 + l] |= static_cast<uint8_t>(q[l] << (4 * (i / 2)));
+          dst[128 + h * 32 + l] |= static_cast<uint8_t>(hi << (2 * i));
+        }
+      }
+      break;
+    }
+  }
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool HAVE_VNNI = true;
 constexpr int MT = 4, P = 2;  // rows of x and groups per tile
@@ -346,6 +410,19 @@ int pagedserve_quant_repack(int qt, const uint8_t* src, uint8_t* dst, int64_t N,
     for (int r = 0; r < G && g * G + r < N; ++r)
       for (int64_t un = 0; un < units; ++un)
         pack_block(qt, src + (g * G + r) * units * fb + un * fb, dst + (g * units + un) * ub, r);
+  return 0;
+}
+
+// pagedserve_quant_repack's inverse: the file's rows [N][K / block * block bytes] back from packed.
+int pagedserve_quant_unpack(int qt, const uint8_t* packed, uint8_t* dst, int64_t N, int64_t K, int64_t packed_len) {
+  const int64_t total = packed_bytes(qt, N, K);
+  if (total == 0 || total != packed_len) return 1;
+  const int64_t units = K / unit_weights(qt), ub = unit_bytes(qt), fb = file_block_bytes(qt), groups = (N + G - 1) / G;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; ++g)
+    for (int r = 0; r < G && g * G + r < N; ++r)
+      for (int64_t un = 0; un < units; ++un)
+        unpack_block(qt, packed + (g * units + un) * ub, dst + (g * G + r) * units * fb + un * fb, r);
   return 0;
 }
 

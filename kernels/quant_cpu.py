@@ -44,12 +44,25 @@ def repack(w: QuantWeight) -> torch.Tensor | None:
     if lib is None or w.data.device.type != "cpu" or w.qtype not in UNIT_BYTES or not _vnni():
         return None
     n, k = w.shape
-    data = w.data.contiguous()
+    data = w.blocks().contiguous()
     packed = torch.empty(packed_bytes(w.qtype, n, k), dtype=torch.uint8)
     rc = lib.pagedserve_quant_repack(w.quant.code, data.data_ptr(), packed.data_ptr(), n, k, packed.numel())
     if rc != 0:
         raise ValueError(f"quant repack {w.qtype} {w.shape}: bad arguments (code {rc})")
     return packed
+
+
+def unpack(w: QuantWeight) -> torch.Tensor:
+    """The file's blocks [N, row_bytes] rebuilt from ``w.packed`` (``repack``'s exact inverse)."""
+    lib = cpu_build.load()
+    if lib is None or w.packed is None:
+        raise ValueError(f"{w.qtype} weight {w.shape}: no packed form to unpack")
+    n, k = w.shape
+    out = torch.empty((n, w.row_bytes), dtype=torch.uint8)
+    rc = lib.pagedserve_quant_unpack(w.quant.code, w.packed.data_ptr(), out.data_ptr(), n, k, w.packed.numel())
+    if rc != 0:
+        raise ValueError(f"quant unpack {w.qtype} {w.shape}: bad arguments (code {rc})")
+    return out
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -1,0 +1,160 @@
+"""GGUF quantized weights (kernels/quant.py, quant_cpu.cpp): ``dequantize``
+against gguf-py's reference dequantizers, and the int8 VNNI product against
+float64 of the dequantized weight times the activations, over odd shapes.
+
+The product quantizes the activations per 32 to int8, so it is held tightly
+to float64 of (dequantized W) @ (x as the kernel quantized it), and loosely to
+the unquantized x, within the bound that rounding implies: |x - q d| <= d / 2
+per element, so |error| <= sum_k |W[n, k]| d(m, k) / 2.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.kernels import cpu_build, quant_cpu
+from pagedserve.kernels.quant import (
+    GGML_QUANT_TYPES,
+    QuantWeight,
+    UnsupportedQuantType,
+    dequantize,
+    prepare,
+    quant_linear,
+    quant_type,
+)
+
+TYPES = list(GGML_QUANT_TYPES)
+PY_QUANTIZERS = ("Q8_0", "Q4_0", "Q4_1")  # gguf-py quantizes these; the K types get random valid blocks
+
+
+def make_weight(qtype: str, n: int, k: int, seed: int) -> QuantWeight:
+    rng = np.random.default_rng(seed)
+    qt = GGML_QUANT_TYPES[qtype]
+    if qtype in PY_QUANTIZERS:
+        raw = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType[qtype])
+    else:  # any bytes are valid blocks once the fp16 scales are finite; signs of both kinds
+        raw = rng.integers(0, 256, (n, k // qt.block_size, qt.type_size), dtype=np.uint8)
+        for off in {"Q4_K": (0, 2), "Q6_K": (208,)}[qtype]:
+            scales = (rng.uniform(-1e-2, 1e-2, raw.shape[:2])).astype(np.float16)
+            raw[..., off:off + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+        raw = raw.reshape(n, -1)
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(raw)), qtype, (n, k))
+
+
+def test_types_are_ggmls() -> None:
+    for name, qt in GGML_QUANT_TYPES.items():
+        t = gguf.GGMLQuantizationType[name]
+        assert (t.value, (qt.block_size, qt.type_size)) == (qt.code, gguf.GGML_QUANT_SIZES[t])
+    assert {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"} <= set(GGML_QUANT_TYPES)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_equals_gguf_py(qtype: str) -> None:
+    w = make_weight(qtype, 13, 2 * GGML_QUANT_TYPES[qtype].block_size * 3, seed=1)
+    ref = gguf.quants.dequantize(w.data.numpy(), gguf.GGMLQuantizationType[qtype])
+    assert np.array_equal(dequantize(w).numpy(), ref)
+
+
+@pytest.mark.parametrize("name", ["Q5_K", "IQ2_XXS", "F16"])
+def test_an_unsupported_type_is_refused_by_name(name: str) -> None:
+    with pytest.raises(UnsupportedQuantType, match=name):
+        quant_type(name)
+    with pytest.raises(UnsupportedQuantType, match=name):
+        QuantWeight(torch.zeros((2, 18), dtype=torch.uint8), name, (2, 32))
+
+
+def test_bad_blocks_are_refused() -> None:
+    with pytest.raises(ValueError, match="uint8"):
+        QuantWeight(torch.zeros((2, 35), dtype=torch.uint8), "Q8_0", (2, 32))
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QuantWeight(torch.zeros((2, 144), dtype=torch.uint8), "Q4_K", (2, 128))
+
+
+def test_the_kernels_build_here() -> None:
+    # a silent fallback to the dequantizing path would hide a broken kernel
+    assert cpu_build.load() is not None and quant_cpu._vnni(), "this CPU has AVX512-VNNI: the kernel must run"
+
+
+def _references(w: QuantWeight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 (W @ x as quantized, W @ x, the bound on activation rounding) for x [M, K]."""
+    wd = dequantize(w).double()
+    q, d, _ = quant_cpu.quantize_activations(x)
+    m, k = x.shape
+    dk = d.double().repeat_interleave(32, dim=1)  # [M, K] each element's scale
+    xq = q.double() * dk
+    assert ((xq - x.double()).abs() <= dk * (0.5 + 1e-5)).all(), "activations off their nearest step"
+    return xq @ wd.T, x.double() @ wd.T, (dk / 2) @ wd.abs().T
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_product_equals_float64_of_the_dequantized_weight(qtype: str, m: int, dtype: torch.dtype) -> None:
+    block = GGML_QUANT_TYPES[qtype].block_size
+    n, k = 45, block * (3 if block == 256 else 13)  # 45 outputs: two groups of 16 and a cut one
+    w = prepare(make_weight(qtype, n, k, seed=m))
+    assert w.packed is not None
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, k, generator=g) * torch.rand(k, generator=g) * 4).to(dtype)  # uneven channels
+    bias = torch.randn(n, generator=g).to(dtype)
+    ref_q, ref, bound = _references(w, x)
+    y = quant_linear(x, w, bias)
+    assert y.dtype == dtype and y.shape == (m, n)
+    scale = (x.double().abs() @ dequantize(w).double().abs().T)  # sum |x||W|: what float error scales with
+    out_tol = 1e-5 if dtype == torch.float32 else 2 ** -8  # bf16 output: one rounding of the result
+    got = y.double() - bias.double()
+    assert ((got - ref_q).abs() <= 1e-5 * scale + out_tol * y.double().abs() + 1e-6).all()
+    assert ((got - ref).abs() <= bound * 1.001 + 1e-5 * scale + out_tol * y.double().abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_unprepared_weight_dequantizes_per_call(qtype: str) -> None:
+    k = GGML_QUANT_TYPES[qtype].block_size * 2
+    w = make_weight(qtype, 21, k, seed=3)
+    x = torch.randn(5, k)
+    y = quant_linear(x, w)
+    ref = x.double() @ dequantize(w).double().T
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_split_rows_shards_the_output_features(qtype: str) -> None:
+    k = GGML_QUANT_TYPES[qtype].block_size * 2
+    w = prepare(make_weight(qtype, 50, k, seed=4))
+    x = torch.randn(4, k)
+    full = quant_linear(x, w)
+    parts = [prepare(w.split_rows(a, b)) for a, b in ((0, 16), (16, 37), (37, 50))]
+    assert [p.shape for p in parts] == [(16, k), (21, k), (13, k)]
+    assert sum(p.data.numel() for p in parts) == w.data.numel()
+    assert torch.equal(torch.cat([quant_linear(x, p) for p in parts], dim=1), full)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_triton_dequantizing_matmul_in_the_interpreter(qtype: str) -> None:
+    from pagedserve.kernels import triton_quant  # the interpreter was chosen at import without CUDA
+
+    block = GGML_QUANT_TYPES[qtype].block_size
+    n, k, m = 37, block * (2 if block == 256 else 5), 3
+    w = make_weight(qtype, n, k, seed=7)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7))
+    bias = torch.randn(n)
+    y = triton_quant.quant_matmul(x, w, bias)
+    ref_q, ref, bound = _references(w, x)
+    scale = x.double().abs() @ dequantize(w).double().abs().T
+    assert ((y.double() - bias.double() - ref).abs() <= 1e-5 * scale + 1e-6).all()  # fp32 of the dequantized product
+    cpu = quant_linear(x, prepare(w), bias).double()  # the CPU kernel: int8 activations, so within their rounding
+    assert ((y.double() - cpu).abs() <= bound * 1.001 + 2e-5 * scale + 1e-6).all()
+    with pytest.raises(ValueError, match="Q4_1"):
+        triton_quant.quant_matmul(x[:, :32], make_weight("Q4_1", 4, 32, seed=0))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_packed_form_holds_the_blocks_exactly(qtype: str) -> None:
+    qt = GGML_QUANT_TYPES[qtype]
+    raw = torch.randint(0, 256, (19, 2 * qt.type_size), dtype=torch.uint8)  # every bit pattern, scales too
+    w = prepare(QuantWeight(raw.clone(), qtype, (19, 2 * qt.block_size)), keep_blocks=False)
+    assert w.data is None and w.nbytes == w.packed.numel() <= raw.numel() * 1.03 + 16 * 2 * qt.type_size
+    assert torch.equal(w.blocks(), raw)
+    assert torch.equal(w.split_rows(3, 17).data, raw[3:17])
