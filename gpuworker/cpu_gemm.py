@@ -92,7 +92,7 @@ def pack_model(model: nn.Module, batch_hint: int) -> int:
         if qweights:
             for w in qweights:
                 if w.packed is None and w.data.device.type == "cpu" and env_flag(ENV, True):
-                    quant.prepare(w)
+                    quant.prepare(w, keep_blocks=False)  # held once: the packed form is the same bytes
             n += 1
         elif hasattr(m, "pack_experts"):  # moe_layer.FusedMoE: a packed weight per expert
             n += m.pack_experts(batch_hint)

@@ -18,6 +18,7 @@ kernels' packing, ``prepare``), and the map is dropped after loading.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedserve.kernels import quant_cpu
 from pagedserve.kernels.quant import QuantWeight, dequantize
 
 Weight = torch.Tensor | QuantWeight
@@ -135,6 +137,20 @@ def iter_gguf_weights(path: str | os.PathLike[str], hf_config: Any,
     yield from parsed["tensors"].items()  # what a processor set aside itself (MoE experts)
 
 
+def embedding_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (1-D) of ``w`` dequantized, float32 [len(ids), in_features]. A prepared
+    weight holds only the kernels' packing, groups of ``quant_cpu.GROUP`` rows one after the
+    other: the groups holding ``ids`` are unpacked, not the whole table (49152 rows for SmolLM2)."""
+    n, k = w.shape
+    if w.data is not None:
+        return dequantize(QuantWeight(w.data.index_select(0, ids), w.qtype, (ids.numel(), k)))
+    groups, slot = torch.unique(ids // quant_cpu.GROUP, return_inverse=True)
+    per_group = w.packed.numel() // -(-n // quant_cpu.GROUP)  # type: ignore[union-attr]
+    packed = w.packed.view(-1, per_group).index_select(0, groups).reshape(-1)  # type: ignore[union-attr]
+    part = QuantWeight(None, w.qtype, (groups.numel() * quant_cpu.GROUP, k), packed=packed)
+    return dequantize(part).index_select(0, slot * quant_cpu.GROUP + ids % quant_cpu.GROUP)
+
+
 def dense(w: Weight) -> torch.Tensor:
     """A weight as float32, dequantized if it is quantized."""
     return dequantize(w) if isinstance(w, QuantWeight) else w
@@ -165,10 +181,20 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         count("buffers", b)
     for m in model.modules():
         for w in quant_weights(m):
-            count("quantized", w.data)
-            if w.packed is not None:
-                count("quantized", w.packed)
+            for t in (w.data, w.packed):
+                if t is not None:
+                    count("quantized", t)
     return out
+
+
+def release_freed_heap() -> None:
+    """Hands the heap that loading freed (blocks merged, repacked, dense placeholders) back to
+    the system: glibc keeps it otherwise, and the worker's RSS stays 40 % over its weights
+    (measured for SmolLM2 Q4_1: 140 MB before, 103 MB after, for 97 MB of tensors)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def quant_weights(module: nn.Module) -> list[QuantWeight]:

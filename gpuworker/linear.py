@@ -26,7 +26,7 @@ from torch import nn
 
 from pagedserve.gpuworker.cpu_gemm import PackedWeight, linear
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, head_range, split_range
-from pagedserve.gpuworker.gguf_weights import Weight, column_slice, dense, merge_rows
+from pagedserve.gpuworker.gguf_weights import Weight, column_slice, dense, embedding_rows, merge_rows
 from pagedserve.kernels.quant import QuantWeight, dequantize, quant_linear
 
 
@@ -181,9 +181,7 @@ class VocabParallelEmbedding(nn.Module):
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.qweights:
             return F.embedding(ids, self.weight)
-        w = self.qweights[0]
-        flat = ids.reshape(-1)
-        rows = dequantize(QuantWeight(w.data.index_select(0, flat), w.qtype, (flat.numel(), self.dim)))
+        rows = embedding_rows(self.qweights[0], ids.reshape(-1))
         return rows.to(self.weight.dtype).reshape(*ids.shape, self.dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

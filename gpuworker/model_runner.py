@@ -39,7 +39,13 @@ from pagedserve.common.messages.worker import (
 from pagedserve.gpuworker.cache_engine import CacheEngine, bytes_per_block
 from pagedserve.gpuworker.cpu_gemm import pack_model
 from pagedserve.gpuworker.cuda_graph import DecodeGraphs
-from pagedserve.gpuworker.gguf_weights import GGUF_DEQUANTIZE_ENV, gguf_tensor_bytes, iter_gguf_weights, weight_bytes
+from pagedserve.gpuworker.gguf_weights import (
+    GGUF_DEQUANTIZE_ENV,
+    gguf_tensor_bytes,
+    iter_gguf_weights,
+    release_freed_heap,
+    weight_bytes,
+)
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, rank_device
 from pagedserve.gpuworker.kv_groups import KVGroups, kv_groups
 from pagedserve.gpuworker.inputs import PromptLogprobPlan, prepare_batch
@@ -153,6 +159,7 @@ class ModelRunner:
         load_s = time.monotonic() - t0
         if self.device.type == "cpu":
             pack_model(self.model, cfg.max_num_seqs)  # after loading: packs the loaded weights
+            release_freed_heap()
         self.weight_bytes = weight_bytes(self.model)
         self.backend = get_attention_backend(cfg.attention_backend, self.device)
         for m in self.model.modules():
