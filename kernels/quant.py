@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.kernels import quant_cpu
+
 QK_K = 256
 
 
@@ -36,6 +38,8 @@ class QuantType:
 GGML_QUANT_TYPES: dict[str, QuantType] = {t.name: t for t in (
     QuantType("Q4_0", 2, 32, 18),
     QuantType("Q4_1", 3, 32, 20),
+    QuantType("Q5_0", 6, 32, 22),
+    QuantType("Q5_1", 7, 32, 24),
     QuantType("Q8_0", 8, 32, 34),
     QuantType("Q4_K", 12, QK_K, 144),
     QuantType("Q6_K", 14, QK_K, 210),
@@ -105,9 +109,7 @@ class QuantWeight:
         """The file's blocks, uint8 [out_features, row_bytes] (rebuilt from ``packed`` if dropped)."""
         if self.data is not None:
             return self.data
-        from pagedserve.kernels import quant_cpu
-
-        return quant_cpu.unpack(self)
+        return quant_cpu.unpack(self.packed, self.quant.code, *self.shape, self.row_bytes)
 
     def split_rows(self, start: int, end: int) -> QuantWeight:
         """Output features [start, end) (a tensor-parallel shard), unprepared."""
@@ -147,6 +149,12 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     elif qt.name == "Q4_1":
         q = _nibbles(b[..., 4:]).reshape(*b.shape[:2], 32).float()
         out = _f16(b[..., 0:2]) * q + _f16(b[..., 2:4])
+    elif qt.name in ("Q5_0", "Q5_1"):
+        off = 4 if qt.name == "Q5_1" else 2
+        qh = b[..., off:off + 4].contiguous().view(torch.int32)  # [n, nb, 1], bit j: weight j's fifth bit
+        hi = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+        q = (_nibbles(b[..., off + 4:]).reshape(*b.shape[:2], 32).int() | (hi << 4)).float()
+        out = _f16(b[..., 0:2]) * q + _f16(b[..., 2:4]) if qt.name == "Q5_1" else _f16(b[..., 0:2]) * (q - 16.0)
     elif qt.name == "Q4_K":
         sc, mn = _k_scales(b[..., 4:16])
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [n, nb, 1]
@@ -170,10 +178,8 @@ def prepare(w: QuantWeight, keep_blocks: bool = True) -> QuantWeight:
     without them ``quant_linear`` dequantizes per call. ``keep_blocks=False`` then drops
     ``w.data`` (the packed form is the same bytes reordered; ``blocks()`` rebuilds them).
     Returns ``w``."""
-    from pagedserve.kernels import quant_cpu
-
     if w.packed is None:
-        w.packed = quant_cpu.repack(w)
+        w.packed = quant_cpu.repack(w.blocks(), w.qtype, w.quant.code, *w.shape)
     if w.packed is not None and not keep_blocks:
         w.data = None
     return w
@@ -181,14 +187,12 @@ def prepare(w: QuantWeight, keep_blocks: bool = True) -> QuantWeight:
 
 def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in_features] (float32 or bfloat16) @ W.T (+ bias): [M, out_features] in x's dtype."""
-    if x.shape[-1] != w.shape[1]:
-        raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight {w.shape[1]}")
-    if w.packed is not None and x.device.type == "cpu":
-        from pagedserve.kernels import quant_cpu
-
-        y = quant_cpu.linear(x, w, bias)
+    if w.packed is not None:
+        y = quant_cpu.linear(x, w.packed, w.quant.code, *w.shape, bias)
         if y is not None:
             return y
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight {w.shape[1]}")
     wd = dequantize(w).to(device=x.device)
     y = x.float() @ wd.T
     if bias is not None:

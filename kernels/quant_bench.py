@@ -9,6 +9,10 @@ repeats, so ratios hold on a noisy machine better than the absolute figures do.
 Each variant cycles through copies of its weight that together exceed the
 L3 cache (48 MB), so the weight comes from memory as in a decode step, not
 from the cache the previous call left warm.
+
+``--clock thread`` times by the calling thread's CPU time instead of the wall
+clock: with ``OMP_NUM_THREADS=1`` (everything on that thread) it gives per-core
+figures that other processes on a busy machine barely disturb.
 """
 from __future__ import annotations
 
@@ -58,16 +62,19 @@ def _copies(nbytes: int) -> int:
     return max(1, -(-COLD_BYTES // max(nbytes, 1)))
 
 
+CLOCK: Callable[[], float] = time.perf_counter
+
+
 def _times_us(fns: dict[str, Callable[[int], object]], repeats: int) -> dict[str, tuple[float, float]]:
     """(best, median) microseconds per variant; call i gets the argument i (its copy to use)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn(0)  # warm up
     for i in range(1, repeats + 1):
-        for name, fn in fns.items():  # interleaved, so drift hits every one alike
-            t0 = time.perf_counter()
-            fn(i)
-            times[name].append(time.perf_counter() - t0)
+        for j, (name, fn) in enumerate(fns.items()):  # interleaved, so drift hits every one alike
+            t0 = CLOCK()
+            fn(i * len(fns) + j)  # a copy the previous call did not touch (the quant variants share theirs)
+            times[name].append(CLOCK() - t0)
     return {name: (min(ts) * 1e6, statistics.median(ts) * 1e6) for name, ts in times.items()}
 
 
@@ -110,7 +117,11 @@ def main() -> None:
     ap.add_argument("--shapes", default="smol,1b")
     ap.add_argument("--only", default="", help="comma-separated labels (qkv, o, gate_up, down, lm_head)")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
     a = ap.parse_args()
+    global CLOCK
+    CLOCK = time.thread_time if a.clock == "thread" else time.perf_counter
+    print(f"torch threads {torch.get_num_threads()}, clock {a.clock}; best (median) of {a.repeats}", flush=True)
     rows = [int(r) for r in a.rows.split(",")]
     for shape in a.shapes.split(","):
         for label, n, k in SHAPES[shape]:

@@ -9,18 +9,14 @@ AVX512-VNNI, another device or dtype), and ``quant.py`` dequantizes instead.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from pagedserve.kernels import cpu_build
 
-if TYPE_CHECKING:
-    from pagedserve.kernels.quant import QuantWeight
-
 GROUP = 16  # output rows per packed group
-UNIT_BYTES = {"Q8_0": 544, "Q4_0": 288, "Q4_1": 320, "Q4_K": 2368, "Q6_K": 3360}  # per group and unit
-UNIT_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256}
+UNIT_BYTES = {"Q8_0": 544, "Q4_0": 288, "Q4_1": 320, "Q5_0": 352, "Q5_1": 384, "Q4_K": 2368,
+              "Q6_K": 3360}  # per group and unit
+UNIT_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256, "Q6_K": 256}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 NO_VNNI = 3  # pagedserve_quant_linear's code: this CPU has no AVX512-VNNI
 
@@ -38,30 +34,29 @@ def _vnni() -> bool:
     return "avx512_vnni" in flags and "avx512bw" in flags
 
 
-def repack(w: QuantWeight) -> torch.Tensor | None:
-    """``w``'s blocks in the kernel's layout (uint8), or None where the kernel cannot run."""
+def repack(blocks: torch.Tensor, qtype: str, code: int, n: int, k: int) -> torch.Tensor | None:
+    """A weight's blocks [n, row bytes] (ggml type ``code``) in the kernel's layout (uint8), or
+    None where the kernel cannot run."""
     lib = cpu_build.load()
-    if lib is None or w.data.device.type != "cpu" or w.qtype not in UNIT_BYTES or not _vnni():
+    if lib is None or blocks.device.type != "cpu" or qtype not in UNIT_BYTES or not _vnni():
         return None
-    n, k = w.shape
-    data = w.blocks().contiguous()
-    packed = torch.empty(packed_bytes(w.qtype, n, k), dtype=torch.uint8)
-    rc = lib.pagedserve_quant_repack(w.quant.code, data.data_ptr(), packed.data_ptr(), n, k, packed.numel())
+    data = blocks.contiguous()
+    packed = torch.empty(packed_bytes(qtype, n, k), dtype=torch.uint8)
+    rc = lib.pagedserve_quant_repack(code, data.data_ptr(), packed.data_ptr(), n, k, packed.numel())
     if rc != 0:
-        raise ValueError(f"quant repack {w.qtype} {w.shape}: bad arguments (code {rc})")
+        raise ValueError(f"quant repack {qtype} ({n}, {k}): bad arguments (code {rc})")
     return packed
 
 
-def unpack(w: QuantWeight) -> torch.Tensor:
-    """The file's blocks [N, row_bytes] rebuilt from ``w.packed`` (``repack``'s exact inverse)."""
+def unpack(packed: torch.Tensor, code: int, n: int, k: int, row_bytes: int) -> torch.Tensor:
+    """The file's blocks [n, row_bytes] rebuilt from ``repack``'s form (its exact inverse)."""
     lib = cpu_build.load()
-    if lib is None or w.packed is None:
-        raise ValueError(f"{w.qtype} weight {w.shape}: no packed form to unpack")
-    n, k = w.shape
-    out = torch.empty((n, w.row_bytes), dtype=torch.uint8)
-    rc = lib.pagedserve_quant_unpack(w.quant.code, w.packed.data_ptr(), out.data_ptr(), n, k, w.packed.numel())
+    if lib is None:
+        raise ValueError("no CPU kernel library to unpack the weight")
+    out = torch.empty((n, row_bytes), dtype=torch.uint8)
+    rc = lib.pagedserve_quant_unpack(code, packed.data_ptr(), out.data_ptr(), n, k, packed.numel())
     if rc != 0:
-        raise ValueError(f"quant unpack {w.qtype} {w.shape}: bad arguments (code {rc})")
+        raise ValueError(f"quant unpack ({n}, {k}): bad arguments (code {rc})")
     return out
 
 
@@ -81,24 +76,31 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q, d, s
 
 
-def linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [..., K] @ W.T (+ bias) by the int8 kernel, in x's dtype; None: not run here."""
-    if w.packed is None or x.device.type != "cpu" or x.dtype not in _DTYPES:
+def linear(x: torch.Tensor, packed: torch.Tensor, code: int, n: int, k: int,
+           bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., k] @ W.T (+ bias) by the int8 kernel for W [n, k] of ggml type ``code`` packed by
+    ``repack``, in x's dtype; None: not run here. Lean on purpose: a decode step makes
+    hundreds of these calls at a few microseconds each."""
+    dtype = _DTYPES.get(x.dtype)
+    if dtype is None or x.device.type != "cpu":
         return None
     lib = cpu_build.load()
-    n, k = w.shape
-    x2 = x.reshape(-1, k).contiguous()
-    if lib is None or x2.shape[0] == 0:
+    if lib is None:
+        return None
+    if x.shape[-1] != k:
+        raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight {k}")
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    if x2.shape[0] == 0:
         return None
     if bias is not None:
-        bias = bias.to(x.dtype).contiguous()
         if bias.shape != (n,):
             raise ValueError(f"quant_linear: bias of shape {tuple(bias.shape)} for {n} outputs")
+        bias = bias.to(x.dtype).contiguous()
     out = torch.empty((x2.shape[0], n), dtype=x.dtype)
-    rc = lib.pagedserve_quant_linear(w.quant.code, _DTYPES[x.dtype], x2.data_ptr(), w.packed.data_ptr(),
+    rc = lib.pagedserve_quant_linear(code, dtype, x2.data_ptr(), packed.data_ptr(),
                                      None if bias is None else bias.data_ptr(), out.data_ptr(), x2.shape[0], n, k)
     if rc == NO_VNNI:
         return None
     if rc != 0:
-        raise ValueError(f"quant_linear {w.qtype} {w.shape} x {tuple(x.shape)}: bad arguments (code {rc})")
-    return out.view(*x.shape[:-1], n)
+        raise ValueError(f"quant_linear type {code} ({n}, {k}) x {tuple(x.shape)}: bad arguments (code {rc})")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
