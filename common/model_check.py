@@ -23,7 +23,7 @@ class UnservableModel(ValueError):
 # GGUF tensor types the worker serves: floats, and the blocks kernels/quant.py multiplies by
 # (its GGML_QUANT_TYPES; tests/test_quant_serve.py holds the two lists equal; common/ cannot import kernels/).
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
-GGUF_QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+GGUF_QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 SUPPORTED_WEIGHTS = ("unquantized checkpoints (float32, float16, bfloat16) and GGUF files "
                      f"(tensors {', '.join(GGUF_FLOAT_TYPES + GGUF_QUANT_TYPES)}, served quantized)")
 

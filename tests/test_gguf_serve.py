@@ -94,7 +94,12 @@ def write_llama_gguf(folder: str, path: str | Path, arch: str = "llama", qtype: 
         if quant is None or a.ndim != 2:
             w.add_tensor(gguf_name, a)
         else:
-            w.add_tensor(gguf_name, gguf.quants.quantize(a, quant), raw_dtype=quant)
+            try:
+                blocks = gguf.quants.quantize(a, quant)
+            except NotImplementedError:  # a type gguf-py cannot write (IQ4_NL): bytes of the right size
+                size, nbytes = gguf.GGML_QUANT_SIZES[quant]
+                blocks = np.random.default_rng(0).integers(0, 256, (a.shape[0], a.shape[1] // size * nbytes), np.uint8)
+            w.add_tensor(gguf_name, blocks, raw_dtype=quant)
 
     for name, t in load_file(os.path.join(folder, "model.safetensors")).items():
         a = t.float().numpy()

@@ -6,8 +6,8 @@ ways llama.cpp and vLLM report it (perplexity on a fixed text, vLLM's
 ``check_logprobs_close`` over 8 logprobs). A type the kernels do not
 implement is refused at start-up in one line.
 
-Tiny files are written here with gguf-py (Q8_0, Q4_0, Q4_1; Q5_0 for the
-refusal); the real ones are the embedded SmolLM2-135M Q4_1 and a Q8_0 file
+Tiny files are written here with gguf-py (Q8_0, Q4_0, Q4_1; IQ4_NL, which
+the kernels lack, for the refusal); the real ones are the embedded SmolLM2-135M Q4_1 and a Q8_0 file
 made from it by scripts/make-gguf-q8.py (once, into the cache)."""
 from __future__ import annotations
 
@@ -124,11 +124,11 @@ def test_unsupported_gguf_type_is_refused_in_one_line(tmp_path: Path, monkeypatc
     from test_refusal import run_refused
 
     folder = make_tiny_model(tmp_path / "hf", "llama", seed=3, **TINY)
-    path = write_llama_gguf(folder, tmp_path / "tiny-q5.gguf", qtype="Q5_0")
+    path = write_llama_gguf(folder, tmp_path / "tiny-iq4.gguf", qtype="IQ4_NL")
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     line = run_refused("serve", str(path), "--quantization", "gguf")
-    assert line.startswith("pagedserve serve: error: tiny-q5.gguf: GGUF tensor type Q5_0"), line
-    assert "not supported" in line and "Q8_0, Q4_0, Q4_1, Q4_K, Q6_K" in line
+    assert line.startswith("pagedserve serve: error: tiny-iq4.gguf: GGUF tensor type IQ4_NL"), line
+    assert "not supported" in line and "Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K" in line
     assert not (tmp_path / "cache").exists(), "nothing was converted"
 
 
