@@ -79,8 +79,8 @@ def check_config(config: dict[str, Any], model: str) -> None:
     quant = config.get("quantization_config") or config.get("compression_config")
     if quant:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise UnservableModel(f"{model}: quantization_config quant_method {method!r} is not supported (no quantized "
-                              f"kernels); supported: {SUPPORTED_WEIGHTS}")
+        raise UnservableModel(f"{model}: quantization_config quant_method {method!r} is not supported (the "
+                              f"quantized kernels serve GGUF blocks only); supported: {SUPPORTED_WEIGHTS}")
     archs = config.get("architectures") or []
     if architecture_of(SimpleNamespace(architectures=archs)) is None:
         raise UnservableModel(unsupported(str(model), archs or [f"(model_type {config.get('model_type', '?')!r})"]))
