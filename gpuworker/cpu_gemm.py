@@ -14,6 +14,9 @@ docs/gpuworker.md, "Linear layers"). Where the library is not built, or with
 ``PAGEDSERVE_CPU_LINEAR=onednn``, oneDNN packs instead. One packed copy sits
 beside the original (the embedding and the tests read that one).
 ``PAGEDSERVE_CPU_PACKED_GEMM=0`` packs nothing: plain ``F.linear``.
+
+A layer that holds GGUF blocks (``qweights``) is prepared for the quantized
+kernels instead (``kernels.quant.prepare``), and gets no dense packing.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from torch import nn
 
 from pagedserve.common.env import env, env_flag
 from pagedserve.kernels import cpu_ops
+from pagedserve.kernels import quant
 
 ENV = "CPU_PACKED_GEMM"  # PAGEDSERVE_CPU_PACKED_GEMM=0: plain F.linear
 KERNEL_ENV = "CPU_LINEAR"  # PAGEDSERVE_CPU_LINEAR=onednn: oneDNN's packing instead of the panels
@@ -84,7 +88,13 @@ def pack_model(model: nn.Module, batch_hint: int) -> int:
     """Packs every layer that has a ``packed`` slot; returns how many were packed."""
     n = 0
     for m in model.modules():
-        if hasattr(m, "pack_experts"):  # moe_layer.FusedMoE: a packed weight per expert
+        qweights = getattr(m, "qweights", None)
+        if qweights:
+            for w in qweights:
+                if w.packed is None and w.data.device.type == "cpu" and env_flag(ENV, True):
+                    quant.prepare(w, keep_blocks=False)  # held once: the packed form is the same bytes
+            n += 1
+        elif hasattr(m, "pack_experts"):  # moe_layer.FusedMoE: a packed weight per expert
             n += m.pack_experts(batch_hint)
         elif hasattr(m, "packed") and isinstance(getattr(m, "weight", None), torch.Tensor):
             m.packed = pack(m.weight, batch_hint)

@@ -139,6 +139,8 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(nn.Module):
     """Gemma 3 text models (270M, 1B; the text stack of the larger ones)."""
 
+    quantized_weights = True  # load_checkpoint takes GGUF blocks as they are
+
     def __init__(self, cfg: Any, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "gelu_pytorch_tanh"

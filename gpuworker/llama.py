@@ -158,6 +158,8 @@ class LlamaForCausalLM(nn.Module):
     attention: type[LlamaAttention] = LlamaAttention
     # FusedStack compiles exactly this layer structure; a subclass that changes it sets False.
     fused_stack = True
+    # load_checkpoint routes GGUF blocks to the layers as they are (models.build_model).
+    quantized_weights = True
     # transformers' Llama/Qwen RoPE turns whole heads whatever partial_rotary_factor says; Phi-3's honours it.
     partial_rotary = False
 

@@ -37,7 +37,7 @@ def _refuse_quantized(config: Any, folder: str) -> None:
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
         raise UnservableModel(f"{folder}: quantization_config quant_method {str(method or 'unknown')!r} is not "
-                              f"supported (no quantized kernels); supported: {SUPPORTED_WEIGHTS}")
+                              f"supported (the quantized kernels serve GGUF blocks only); supported: {SUPPORTED_WEIGHTS}")
 
 
 def _override(config: Any, values: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pagedserve.common.config import EngineConfig, env_flag, step_trace
-from pagedserve.common.default_model import DEFAULT_MODEL_NAME, cache_dir, resolve_model
+from pagedserve.common.default_model import DEFAULT_MODEL_NAME, cache_dir, gguf_source, resolve_model
 from pagedserve.common.messages.types import ModelInfo
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.worker import (
@@ -39,6 +39,13 @@ from pagedserve.common.messages.worker import (
 from pagedserve.gpuworker.cache_engine import CacheEngine, bytes_per_block
 from pagedserve.gpuworker.cpu_gemm import pack_model
 from pagedserve.gpuworker.cuda_graph import DecodeGraphs
+from pagedserve.gpuworker.gguf_weights import (
+    GGUF_DEQUANTIZE_ENV,
+    gguf_tensor_bytes,
+    iter_gguf_weights,
+    release_freed_heap,
+    weight_bytes,
+)
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, rank_device
 from pagedserve.gpuworker.kv_groups import KVGroups, kv_groups
 from pagedserve.gpuworker.inputs import PromptLogprobPlan, prepare_batch
@@ -101,6 +108,8 @@ class ModelRunner:
         groups (kv_groups.py), unless --disable-hybrid-kv-cache-manager. Off, every
         model keeps one table per sequence for all layers."""
         self.cfg, self.tp, self.source = cfg, tp, source
+        self.gguf_file: str | None = None  # the GGUF file the weights came from, blocks kept
+        self.weight_bytes: dict[str, int] = {}  # resident weights by kind (gguf_weights.weight_bytes)
         configure_kernels()
         self.device = rank_device(cfg.device, tp.rank)
         self.dtype = _DTYPES[cfg.torch_dtype_name]
@@ -134,7 +143,10 @@ class ModelRunner:
         else:
             folder = resolve_model(cfg.model)
             hf = load_hf_config(folder, cfg.hf_overrides, cfg.trust_remote_code)
-            weights = iter_weights(folder, progress=tp.is_driver, load_format=cfg.load_format, hf_config=hf)
+            # A converted GGUF file: its tensors from the file, quantized blocks kept as they are.
+            self.gguf_file = gguf_source(folder) if cfg.load_format == "auto" and not env_flag(GGUF_DEQUANTIZE_ENV, False) else None
+            weights = (iter_gguf_weights(self.gguf_file, hf) if self.gguf_file else
+                       iter_weights(folder, progress=tp.is_driver, load_format=cfg.load_format, hf_config=hf))
             name = DEFAULT_MODEL_NAME if cfg.model is None else os.path.basename(os.path.normpath(folder))
             eos = eos_token_ids(folder, hf)
         self.hf_config = hf
@@ -147,6 +159,8 @@ class ModelRunner:
         load_s = time.monotonic() - t0
         if self.device.type == "cpu":
             pack_model(self.model, cfg.max_num_seqs)  # after loading: packs the loaded weights
+            release_freed_heap()
+        self.weight_bytes = weight_bytes(self.model)
         self.backend = get_attention_backend(cfg.attention_backend, self.device)
         for m in self.model.modules():
             if isinstance(m, PagedAttention):
@@ -197,7 +211,7 @@ class ModelRunner:
             shard = f", tensor parallel {tp.size} ({self.num_kv_heads} of {self.model.total_kv_heads} KV heads per rank)" if tp.size > 1 else ""
             print(
                 f"pagedserve gpuworker: {name} ({type(self.model).__name__}, {cfg.torch_dtype_name}, {self.device}, "
-                f"attention={self.backend.name}{shard}) loaded in {load_s:.1f} s; KV pool {num_gpu_blocks} blocks x "
+                f"attention={self.backend.name}{shard}) loaded in {load_s:.1f} s; {self._weights_line()}; KV pool {num_gpu_blocks} blocks x "
                 f"{cfg.block_size} = {num_gpu_blocks * cfg.block_size} tokens ({num_gpu_blocks * per_block / 2**20:.0f} MiB of {str(self.kv_dtype)[6:]}"
                 f"{' per rank' if tp.size > 1 else ''}), swap {num_cpu_blocks} blocks"
                 + ("" if self.kv_groups is None else
@@ -214,6 +228,15 @@ class ModelRunner:
                                  block_size=cfg.block_size,
                                  kv_group_windows=[] if self.kv_groups is None else list(self.kv_groups.windows))
         return self.ready
+
+    def _weights_line(self) -> str:
+        total = sum(self.weight_bytes.values())
+        line = f"weights {total / 2**20:.0f} MiB"
+        if self.gguf_file:
+            file_bytes = gguf_tensor_bytes(self.gguf_file)
+            line += (f" ({total / file_bytes:.2f}x the {file_bytes / 2**20:.0f} MiB of tensors in "
+                     f"{os.path.basename(self.gguf_file)}; quantized blocks kept)")
+        return line
 
     def _profile(self) -> int:
         free, self.profile = profile_free_bytes(self)

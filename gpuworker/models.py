@@ -3,7 +3,8 @@ init. Every class has the same surface: ``num_layers``, ``num_kv_heads``
 (this rank's), ``total_kv_heads``, ``head_dim``, ``init_buffers``,
 ``forward(input_ids, positions, kv_caches, meta) -> hidden``,
 ``compute_logits`` (full vocabulary on every rank) and ``load_weights``;
-constructors take ``(hf_config, tp)``."""
+constructors take ``(hf_config, tp)``. A class whose loader takes GGUF blocks
+as they are (``kernels.quant.QuantWeight``) sets ``quantized_weights``."""
 from __future__ import annotations
 
 import importlib
@@ -15,6 +16,7 @@ from torch import nn
 
 from pagedserve.common.architectures import ARCHITECTURES, architecture_of, unsupported
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup
+from pagedserve.gpuworker.gguf_weights import dense
 
 def model_class(hf_config: Any) -> type[nn.Module]:
     arch = architecture_of(hf_config)
@@ -36,6 +38,8 @@ def build_model(
     """Construct on the meta device (no random init), materialize empty on
     ``device`` in ``dtype``, then fill this rank's slices from the checkpoint."""
     cls = model_class(hf_config)
+    if not getattr(cls, "quantized_weights", False):  # its loader reshapes tensors: GGUF blocks dequantized
+        weights = ((name, dense(t)) for name, t in weights)
     with torch.device("meta"):
         model = cls(hf_config, tp)  # type: ignore[call-arg]
     model = model.to(dtype).to_empty(device=device)  # cast on meta: no full-precision copy on the device

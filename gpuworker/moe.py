@@ -31,6 +31,7 @@ class _MoeForCausalLM(LlamaForCausalLM):
     layer by layer (the compiled stack has no experts)."""
 
     fused_stack = False
+    quantized_weights = False  # load_experts stacks expert tensors: GGUF blocks arrive dequantized
     renames: tuple[tuple[str, str], ...] = ()  # checkpoint substring -> ours
     expert_layout: dict[str, bool] = {}  # expert_entries' transposed / interleaved, for the fused 3-D tensors
 

@@ -52,5 +52,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             else:
                 yield name, tensor
 
+    quantized_weights = False  # _unfused splits fused tensors: GGUF blocks arrive dequantized
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._unfused(weights))

@@ -99,8 +99,8 @@ def main(argv: list[str]) -> int:
         print(f"pagedserve serve: error: {taken}", file=sys.stderr, flush=True)
         return 1
     if sa.cfg.model is not None and is_gguf(sa.cfg.model):
-        print(f"pagedserve: {os.path.basename(sa.cfg.model)}: GGUF weights are dequantized to "
-              f"{sa.cfg.torch_dtype_name} for serving (they do not stay quantized yet)", file=sys.stderr, flush=True)
+        print(f"pagedserve: {os.path.basename(sa.cfg.model)}: GGUF weights are served as the file's blocks "
+              f"(quantized tensors stay quantized; activations in {sa.cfg.torch_dtype_name})", file=sys.stderr, flush=True)
     try:
         # A hub id, a GGUF file or the embedded model becomes a folder here,
         # once (a GGUF file is converted with progress); children get the folder.

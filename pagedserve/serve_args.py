@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
             a.type = model_len if a.dest == "max_model_len" else human_readable_int
     g = p.add_argument_group("accepted for vLLM's command lines; other values are refused")
     g.add_argument("--quantization", "-q", default=None,
-                   help=helptext("none, or gguf for a .gguf model (its weights are dequantized): there are no "
-                                 "quantized kernels", None))
+                   help=helptext("none, or gguf for a .gguf model (its blocks stay quantized: Q4_0, Q4_1, "
+                                 "Q5_0, Q5_1, Q8_0, Q4_K, Q6_K); other methods are refused", None))
     g.add_argument("--enable-lora", action="store_true", default=False,
                    help=helptext("refused: LoRA adapters are not supported", None))
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
@@ -134,12 +134,12 @@ def _refusals(args: argparse.Namespace) -> None:
         refuse(f"--tool-call-parser {parser}: " + (
             "vLLM's parser of that name is not implemented here" if parser in VLLM_TOOL_CALL_PARSERS
             else "no such parser (nor in vLLM 0.32)") + f"; implemented: {', '.join(sorted(PARSERS))}")
-    if args.quantization == "gguf":  # vLLM's flag for a .gguf model; its weights are dequantized (launcher)
+    if args.quantization == "gguf":  # vLLM's flag for a .gguf model; its blocks stay quantized (gpuworker)
         if not (args.model and is_gguf(args.model)):
             refuse("--quantization gguf: the model must be a .gguf file")
     elif args.quantization not in (None, "none", "None"):
-        refuse(f"--quantization {args.quantization}: not supported (no quantized kernels); serve the "
-               "unquantized model, or a .gguf file (dequantized on loading)")
+        refuse(f"--quantization {args.quantization}: not supported (quantized kernels serve GGUF blocks only); "
+               "serve the unquantized model, or a .gguf file (its blocks stay quantized)")
     if args.enable_lora:
         refuse("--enable-lora: LoRA adapters are not supported")
     if args.pipeline_parallel_size != 1:

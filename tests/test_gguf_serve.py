@@ -45,10 +45,12 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
            "lm_head.weight": "output.weight"}
 
 
-def write_llama_gguf(folder: str, path: str | Path, arch: str = "llama") -> Path:
+def write_llama_gguf(folder: str, path: str | Path, arch: str = "llama", qtype: str | None = None) -> Path:
     """The tiny llama checkpoint in ``folder`` as a GGUF file, as llama.cpp
     would write it (F32). ``arch``: the architecture written in the metadata
-    (another name makes a file transformers cannot read)."""
+    (another name makes a file transformers cannot read). ``qtype`` (a type
+    gguf-py quantizes: Q8_0, Q4_0, Q4_1, Q5_0, ...): every 2-D weight in those
+    blocks (the norms stay F32), which needs widths that divide by 32."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
@@ -86,10 +88,23 @@ def write_llama_gguf(folder: str, path: str | Path, arch: str = "llama") -> Path
     w.add_pad_token_id(tok.pad_token_id)
     w.add_add_bos_token(False)
     w.add_chat_template(tok.chat_template)
+    quant = None if qtype is None else gguf.GGMLQuantizationType[qtype]
+
+    def add(gguf_name: str, a: np.ndarray) -> None:
+        if quant is None or a.ndim != 2:
+            w.add_tensor(gguf_name, a)
+        else:
+            try:
+                blocks = gguf.quants.quantize(a, quant)
+            except NotImplementedError:  # a type gguf-py cannot write (IQ4_NL): bytes of the right size
+                size, nbytes = gguf.GGML_QUANT_SIZES[quant]
+                blocks = np.random.default_rng(0).integers(0, 256, (a.shape[0], a.shape[1] // size * nbytes), np.uint8)
+            w.add_tensor(gguf_name, blocks, raw_dtype=quant)
+
     for name, t in load_file(os.path.join(folder, "model.safetensors")).items():
         a = t.float().numpy()
         if name in _GLOBAL:
-            w.add_tensor(_GLOBAL[name], a)
+            add(_GLOBAL[name], a)
             continue
         _, _, layer, rest = name.split(".", 3)
         module = rest.rsplit(".", 1)[0]
@@ -97,7 +112,7 @@ def write_llama_gguf(folder: str, path: str | Path, arch: str = "llama") -> Path
             a = _permute(a, cfg.num_attention_heads)
         elif module == "self_attn.k_proj":
             a = _permute(a, cfg.num_key_value_heads)
-        w.add_tensor(f"blk.{layer}.{_LAYER[module]}.weight", np.ascontiguousarray(a))
+        add(f"blk.{layer}.{_LAYER[module]}.weight", np.ascontiguousarray(a))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -209,7 +224,7 @@ def test_gguf_served_through_four_processes_equals_transformers(tiny_gguf: Path,
     expected_chat = hf_gguf_greedy(tiny_gguf, list(chat_ids), 8, hf)
     env = {"PAGEDSERVE_CACHE": str(tmp_path / "cache")}
     with serve(str(tiny_gguf), "--quantization", "gguf", "--num-gpu-blocks", "64", env=env) as server:
-        assert any("GGUF weights are dequantized to float32" in line for line in server.log)
+        assert any("GGUF weights are served as the file's blocks" in line for line in server.log)
         assert [m["id"] for m in get(server.http, "/v1/models")["data"]] == ["tiny-llama"]
         with server.client() as c:
             assert c.model_info().model_name == "tiny-llama"
