@@ -180,7 +180,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", help="pagedserve's activations over the blocks")
     p.add_argument("--note", default="", help="stored with the results (e.g. 'shared machine')")
-    p.add_argument("--out", default="docs/results/llamacpp.json")
+    p.add_argument("--out", default="llamacpp.json", help="JSON results (docs/results/ keeps the ones the docs cite)")
     args = p.parse_args(argv)
     engines = [e for e in args.engines.split(",") if e]
     if "llama.cpp" in engines and not llama_bin().is_file():

@@ -155,7 +155,7 @@ class EngineConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf")  # gguf: a .gguf model's blocks kept quantized
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other spellings
 MAX_JSON_FLAG_CHARS = 65536  # --hf-overrides, --override-generation-config
 

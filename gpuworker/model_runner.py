@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pagedserve.common.config import EngineConfig, env_flag, step_trace
-from pagedserve.common.default_model import DEFAULT_MODEL_NAME, cache_dir, gguf_source, resolve_model
+from pagedserve.common.default_model import DEFAULT_MODEL_NAME, cache_dir, gguf_source, is_gguf, resolve_model
 from pagedserve.common.messages.types import ModelInfo
 from pagedserve.common.messages import worker as wk
 from pagedserve.common.messages.worker import (
@@ -143,10 +143,15 @@ class ModelRunner:
         else:
             folder = resolve_model(cfg.model)
             hf = load_hf_config(folder, cfg.hf_overrides, cfg.trust_remote_code)
-            # A converted GGUF file: its tensors from the file, quantized blocks kept as they are.
-            self.gguf_file = gguf_source(folder) if cfg.load_format == "auto" and not env_flag(GGUF_DEQUANTIZE_ENV, False) else None
+            # A GGUF file named as the model (vLLM's way): its quantized blocks kept as they are. The
+            # embedded default model and a converted folder serve the dequantized weights, exact
+            # against transformers (int8 activations flip near ties: SmolLM2's "The"/"L'" at 0.09).
+            # serve sets --load-format gguf (vLLM's name) for a .gguf model before handing children its folder.
+            kept = cfg.load_format == "gguf" or (cfg.load_format == "auto" and cfg.model is not None and is_gguf(cfg.model))
+            self.gguf_file = gguf_source(folder) if kept and not env_flag(GGUF_DEQUANTIZE_ENV, False) else None
             weights = (iter_gguf_weights(self.gguf_file, hf) if self.gguf_file else
-                       iter_weights(folder, progress=tp.is_driver, load_format=cfg.load_format, hf_config=hf))
+                       iter_weights(folder, progress=tp.is_driver, load_format="auto" if cfg.load_format == "gguf" else cfg.load_format,
+                                    hf_config=hf))
             name = DEFAULT_MODEL_NAME if cfg.model is None else os.path.basename(os.path.normpath(folder))
             eos = eos_token_ids(folder, hf)
         self.hf_config = hf

@@ -86,8 +86,6 @@ def ports_taken(sa: ServeArgs) -> str | None:
 
 def main(argv: list[str]) -> int:
     sa = parse_serve_args(argv)
-    for note in sa.notes:  # the device it serves on, and each vLLM flag that has no effect here
-        print(f"pagedserve: {note}", file=sys.stderr, flush=True)
     if sa.download_dir:  # vLLM's --download-dir: hub ids are looked up there (resolve_model)
         os.environ["HF_HUB_CACHE"] = sa.download_dir
     refused = engine_refusal(sa.cfg, sa.revision)
@@ -98,6 +96,8 @@ def main(argv: list[str]) -> int:
     if taken:
         print(f"pagedserve serve: error: {taken}", file=sys.stderr, flush=True)
         return 1
+    for note in sa.notes:  # the device it serves on, and each vLLM flag that has no effect here (after refusals: one line)
+        print(f"pagedserve: {note}", file=sys.stderr, flush=True)
     if sa.cfg.model is not None and is_gguf(sa.cfg.model):
         print(f"pagedserve: {os.path.basename(sa.cfg.model)}: GGUF weights are served as the file's blocks "
               f"(quantized tensors stay quantized; activations in {sa.cfg.torch_dtype_name})", file=sys.stderr, flush=True)
@@ -112,6 +112,8 @@ def main(argv: list[str]) -> int:
     # With no model, children resolve the embedded one from the cache converted
     # above (and name it as before); a given model reaches them as its folder.
     cfg = dataclasses.replace(sa.cfg, model=model_dir) if sa.cfg.model is not None else sa.cfg
+    if sa.cfg.model is not None and is_gguf(sa.cfg.model) and cfg.load_format == "auto":
+        cfg = dataclasses.replace(cfg, load_format="gguf")  # the folder's worker keeps the file's blocks
     cfg = dataclasses.replace(cfg, tokenizer=tokenizer_dir)
     run_dir = tempfile.mkdtemp(prefix=f"pagedserve-run-{os.getpid()}-")
     addrs = default_addresses(run_dir)

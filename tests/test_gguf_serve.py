@@ -225,6 +225,8 @@ def test_gguf_served_through_four_processes_equals_transformers(tiny_gguf: Path,
     env = {"PAGEDSERVE_CACHE": str(tmp_path / "cache")}
     with serve(str(tiny_gguf), "--quantization", "gguf", "--num-gpu-blocks", "64", env=env) as server:
         assert any("GGUF weights are served as the file's blocks" in line for line in server.log)
+        # the worker got the converted folder with --load-format gguf: it read the file itself
+        assert any("quantized blocks kept" in line for line in server.log), "".join(server.log[-20:])
         assert [m["id"] for m in get(server.http, "/v1/models")["data"]] == ["tiny-llama"]
         with server.client() as c:
             assert c.model_info().model_name == "tiny-llama"

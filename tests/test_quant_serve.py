@@ -57,7 +57,7 @@ def env(**values: str) -> Iterator[None]:
 
 def runner(model: str | None, blocks: int = 160, dequantize: bool = False, packed: bool = True,
            dtype: str = "float32") -> ModelRunner:
-    """An in-process worker on ``model`` (a .gguf file or None: the embedded one), its blocks kept
+    """An in-process worker on ``model`` (a .gguf file), its blocks kept
     (``dequantize``: the converted folder's float32 weights); ``packed`` False: no kernels' packing."""
     cfg = EngineConfig(model=model, dtype=dtype, block_size=16, num_gpu_blocks=blocks, max_num_seqs=16)
     with env(GGUF_DEQUANTIZE=str(int(dequantize)), CPU_PACKED_GEMM=str(int(packed))):
@@ -195,7 +195,8 @@ import transformers.models.llama.modeling_llama  # code the loader imports, not 
 def rss_anon():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
 
-runner = ModelRunner(EngineConfig(model=None, dtype="float32", block_size=16, num_gpu_blocks=2, max_num_seqs=4))
+from pagedserve.common.default_model import gguf_path
+runner = ModelRunner(EngineConfig(model=str(gguf_path()), dtype="float32", block_size=16, num_gpu_blocks=2, max_num_seqs=4))
 cpu_build.load()  # the kernel library, loaded before measuring
 before = rss_anon()
 runner.init()
@@ -263,7 +264,9 @@ def test_smollm2_accuracy_against_the_dequantized_file(which: str, dtype: str) -
 
     from pagedserve.common.default_model import resolve_model
 
-    model = None if which == "Q4_1" else q8_file()
+    from pagedserve.common.default_model import gguf_path
+
+    model = str(gguf_path()) if which == "Q4_1" else q8_file()
     ids = AutoTokenizer.from_pretrained(resolve_model(model))(TEXT.read_text()).input_ids
     prompts = chat_prompts()
     ref = runner(model, dequantize=True)

@@ -76,8 +76,6 @@ class TokenDelta(msgspec.Struct, array_like=True):
     # Sent once, with the first delta, when params.prompt_logprobs is set
     # (the first prompt token has no logprob and is left out).
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
-    # Per prompt_logprobs entry: the token's vocabulary rank (empty: not known).
-    prompt_logprob_ranks: list[int] = []
     # Beam search sends each final beam whole: token_ids then replace, not extend.
     replace: bool = False
     cumulative_logprob: float | None = None
@@ -89,6 +87,9 @@ class TokenDelta(msgspec.Struct, array_like=True):
     # prefix cache. On a finishing delta: times the request was preempted.
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Per prompt_logprobs entry: the token's vocabulary rank (empty: not known). Last, as the
+    # struct is array_like: a field appended keeps every earlier position on the wire.
+    prompt_logprob_ranks: list[int] = []
 
 
 class Outputs(msgspec.Struct, tag=60, array_like=True):
