@@ -69,6 +69,7 @@ class Driver:
         self,
         schedule: dict[int, int],
         new: dict[int, tuple[list[int], SamplingParams]] | None = None,
+        num_prompt: dict[int, int] | None = None,  # a resent sequence's prompt length (recompute)
         finished: list[int] | None = None,
         **extra: object,
     ) -> StepResult:
@@ -76,7 +77,7 @@ class Driver:
         for seq_id, (toks, params) in (new or {}).items():
             self.tokens[seq_id], self.blocks[seq_id], self.computed[seq_id] = list(toks), [], 0
             self._grow(seq_id, len(toks))
-            new_seqs.append(NewSeq(seq_id, list(toks), 0, params, len(toks)))
+            new_seqs.append(NewSeq(seq_id, list(toks), 0, params, (num_prompt or {}).get(seq_id, len(toks))))
             diffs.append(BlockDiff(seq_id, 0, list(self.blocks[seq_id])))  # a new sequence's table, as the scheduler sends it
         for seq_id, n in schedule.items():
             if seq_id in (new or {}):
@@ -276,10 +277,11 @@ def test_seeded_sampling_is_batch_and_preemption_independent(ckpt: tuple[str, to
     alone = run(alone=True)
     assert alone == run(alone=False)
     assert len(set(alone)) > 1  # really sampled, not a constant
-    # Recompute preemption: re-sent with 3 generated tokens, it continues identically.
+    # Recompute preemption: re-sent with 3 generated tokens (marked as output, as the scheduler
+    # sends it), it continues identically: the worker replays the seeded generator's 3 draws.
     runner.reset()
     d = Driver(runner)
-    d.step({0: 14}, new={0: (p + alone[:3], seeded)})
+    d.step({0: 14}, new={0: (p + alone[:3], seeded)}, num_prompt={0: len(p)})
     for _ in range(4):
         d.step({0: 1})
     assert d.tokens[0][len(p):] == alone[:8]
