@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -126,7 +127,8 @@ def _record_source(folder: Path, src: Path, sha256: str | None = None) -> None:
     except (OSError, ValueError):
         pass
     record["sha256"] = sha256 or file_sha256(src)
-    tmp = folder / f".{GGUF_SOURCE}.{os.getpid()}"
+    # one name per writer: threads of one process race here too (a pid alone let one rename the other's file)
+    tmp = folder / f".{GGUF_SOURCE}.{os.getpid()}.{threading.get_ident()}"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
 
