@@ -45,3 +45,13 @@ def test_http_kill_soak(tmp_path: Path) -> None:
     assert res["references"] >= 8, "too few undisturbed answers to compare against"
     assert res["counts"]["ok"] >= 30
     assert res["server_exit_code"] == 0
+
+
+def test_every_refusal_says_when_to_come_back() -> None:
+    """The refusals a soak can meet: a 503 (a component recovering) and a 429 (the queue or a
+    key's cap full, which requests waiting through a recovery can fill) both carry Retry-After."""
+    from pagedserve.frontend.core.error_table import RejectReason, rejected_api_error
+
+    for reason in RejectReason:
+        r = rejected_api_error(reason, "busy").response()
+        assert r.status in (429, 503) and r.headers["Retry-After"].isdigit(), (reason, r.status)

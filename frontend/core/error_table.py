@@ -68,9 +68,15 @@ def engine_api_error(kind: ErrorKind, message: str) -> ApiError:
     return ApiError(cls.http_status, message, code=kind.name.lower())
 
 
+# A full queue or a key at its cap clears as requests finish (seconds): a 429 says to come back
+# sooner than a 503 (which adds RETRY_AFTER_S itself). Clients (openai's, schemathesis's) honour it.
+BUSY_RETRY_AFTER_S = 1
+
+
 def rejected_api_error(reason: RejectReason, message: str) -> ApiError:
     cls = REJECTIONS[reason]
-    return ApiError(cls.http_status, message, code=reason.value)
+    busy = {"Retry-After": str(BUSY_RETRY_AFTER_S)} if cls is _BUSY else None
+    return ApiError(cls.http_status, message, code=reason.value, headers=busy)
 
 
 def sse_error_event(err: ApiError) -> dict[str, Any]:
