@@ -66,6 +66,46 @@ CHECK_OF_CODE = {"ST101": "not_a_server_error", "ST102": "not_a_server_error", "
                  "ST402": "object_level_authorization"}
 
 
+# The generation pass: schemathesis's positive bodies for the two generation routes, each cut down
+# to the fields below (every one optional in vLLM's schema, so the body stays schema-valid), with
+# max_tokens at most 16 and n at most 2, integers within 32 bits, an empty or malformed prompt or
+# messages list replaced by "Hi" (one message); the acceptance checks (positive_data_acceptance ...)
+# are off in it, so a refusal by value does not end an operation's examples. Left whole, nearly every generated body carries a value
+# that both servers refuse (allowed_token_ids: [] first of all), and no request would generate.
+GENERATION_HOOKS = """
+import schemathesis
+
+KEEP = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+        "n", "stream", "stop", "seed", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "min_p", "echo", "ignore_eos", "min_tokens", "skip_special_tokens", "user",
+        "add_generation_prompt", "include_stop_str_in_output"}
+
+
+@schemathesis.hook
+def map_body(context, body):
+    if not isinstance(body, dict):
+        return body
+    body = {k: v for k, v in body.items() if k in KEEP}
+    body["model"] = None
+    for key, value in body.items():  # JSON integers past 64 bits: refused by value by both servers
+        if isinstance(value, int) and not isinstance(value, bool):
+            body[key] = max(-2**31, min(value, 2**31))
+    if "messages" in body and not (isinstance(body["messages"], list) and body["messages"]):
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    if context.operation is not None and context.operation.path == "/v1/completions":
+        body.setdefault("prompt", "Hi")
+    if "prompt" in body and not (isinstance(body["prompt"], str) and body["prompt"]):
+        body["prompt"] = "Hi"
+    for key in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(key), int) and not isinstance(body.get(key), bool):
+            body[key] = max(0, min(body[key], 16))
+    body["max_tokens"] = body.get("max_tokens") if body.get("max_tokens") is not None else 8
+    if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool):
+        body["n"] = max(1, min(body["n"], 2))
+    return body
+"""
+
+
 def tools_venv(path: Path) -> Path:
     """The ``st`` executable of the tool venv, installing schemathesis there first if needed."""
     st = path / "bin" / "st"
@@ -77,18 +117,28 @@ def tools_venv(path: Path) -> Path:
     return st
 
 
-def run_schemathesis(st: Path, base: str, work: Path, a: argparse.Namespace) -> dict[str, Any]:
-    regex = "^(" + "|".join(r.replace("/", "\\/") for r in ROUTES) + ")$"
+def run_schemathesis(st: Path, base: str, work: Path, a: argparse.Namespace,
+                     generation: bool = False) -> dict[str, Any]:
+    """The whole run on ROUTES; ``generation``: the generation pass (above) in a folder of its own."""
+    routes = ("/v1/completions", "/v1/chat/completions") if generation else ROUTES
+    regex = "^(" + "|".join(r.replace("/", "\\/") for r in routes) + ")$"
+    env = {**os.environ, "NO_COLOR": "1"}
+    if generation:
+        work = work / "generation"
+        work.mkdir(exist_ok=True)
+        (work / "hooks.py").write_text(GENERATION_HOOKS)
+        env["SCHEMATHESIS_HOOKS"] = str(work / "hooks.py")
     cmd = [str(st), "run", str(SCHEMA), "--url", base, "--include-path-regex", regex,
+           *(["--mode", "positive", "--exclude-checks", ",".join(NOT_VERDICTS)] if generation else []),
            "--checks", "all", "--max-examples", str(a.max_examples), "--seed", str(a.seed),
            "--workers", str(a.workers), "--request-timeout", str(a.request_timeout), "--continue-on-failure",
-           "--suppress-health-check", "all", "--generation-database", "none", "--phases", a.phases,
+           "--suppress-health-check", "all", "--generation-database", "none", "--phases", "fuzzing" if generation else a.phases,
            "--report", "json,har", "--report-json-path", str(work / "report.json"),
            "--report-har-path", str(work / "report.har"), "--no-color", "--output-truncate", "true"]
     if a.max_time:
         cmd += ["--max-time", str(a.max_time)]
     t0 = time.monotonic()
-    p = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env={**os.environ, "NO_COLOR": "1"})
+    p = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=env)
     (work / "st.log").write_text(p.stdout + p.stderr)
     report = json.loads((work / "report.json").read_text()) if (work / "report.json").exists() else {}
     har = json.loads((work / "report.har").read_text()) if (work / "report.har").exists() else {"log": {}}
@@ -159,27 +209,33 @@ def probes(server: Server) -> dict[str, Any]:
     return out
 
 
-def summarize(a: argparse.Namespace, server: Server, st: dict[str, Any], probe: dict[str, Any],
+def summarize(a: argparse.Namespace, server: Server, runs: dict[str, dict[str, Any]], probe: dict[str, Any],
               started_s: float, rc: int) -> dict[str, Any]:
-    entries = st["entries"]
+    entries = [e for st in runs.values() for e in st["entries"]]
     routes = per_route(entries)
     fails: dict[str, dict[str, Any]] = {}
-    for f in st["report"].get("failures", []):
+    for f in (f for st in runs.values() for f in st["report"].get("failures", [])):
         g = fails.setdefault(CHECK_OF_CODE.get(f["code"], f["code"]), {"count": 0, "titles": [], "operations": []})
         g["count"] += f["count"]
-        g["titles"].append(f"{f['code']} {f['title']}")
+        g["titles"] = sorted(set(g["titles"]) | {f"{f['code']} {f['title']}"})
         g["operations"] = sorted(set(g["operations"]) | set(f.get("operations") or []))
     five = [f"{e['request']['method']} {urlparse(e['request']['url']).path} {e['response']['status']}"
             for e in entries if e["response"]["status"] >= 500]
     schema_fails = fails.get("response_schema_conformance", {"count": 0})["count"]
+    generated_200 = sum(v["statuses"].get("200", 0) for k, v in per_route(runs["generation"]["entries"]).items())
     verdicts = {
         "zero_response_schema_violations": schema_fails == 0 and bool(entries),
         "zero_5xx": not five,
         "every_route_tested": all(any(k.endswith(" " + r) for k in routes) for r in ROUTES),
-        "schemathesis_completed": bool(st["report"].get("complete")),
+        "schemathesis_completed": all(st["report"].get("complete") for st in runs.values()),
+        "generation_answered": generated_200 > 0,
         "probes_pass": all(p["ok"] for p in probe.values()),
         "zero_failures_of_other_checks": not any(k not in NOT_VERDICTS for k in fails),
     }
+    passes = {name: {"command": " ".join(r["command"]), "exit_code": r["exit_code"], "seconds": r["seconds"],
+                     "requests": len(r["entries"]), "test_cases": r["report"].get("test_cases"),
+                     "errors": r["report"].get("errors"), "per_route": per_route(r["entries"])}
+              for name, r in runs.items()}
     log = "".join(s for _, s in server.log)
     return {
         "benchmark": "schemathesis with vLLM 0.32's OpenAPI schema",
@@ -187,17 +243,18 @@ def summarize(a: argparse.Namespace, server: Server, st: dict[str, Any], probe: 
         "schemathesis": SCHEMATHESIS, "schema": str(SCHEMA.relative_to(ROOT)),
         "command": "python -m benchmarks schemathesis " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["schemathesis"]
                                                                    else []),
-        "st_command": " ".join(st["command"]), "st_exit_code": st["exit_code"], "st_seconds": st["seconds"],
+        "passes": {k: {kk: vv for kk, vv in v.items() if kk != "per_route"} for k, v in passes.items()},
+        "generation_pass_per_route": passes["generation"]["per_route"],
         "server_command": " ".join(server.cmd[1:]), "server_started_s": round(started_s, 1),
         "server_exit_code": rc, "routes": list(ROUTES), "requests": len(entries), "per_route": routes,
-        "five_xx": five[:50], "test_cases": st["report"].get("test_cases"),
+        "five_xx": five[:50],
         "failures_by_check": fails, "not_verdicts": list(NOT_VERDICTS),
         "verdict_checks_failed": {k: v["count"] for k, v in fails.items() if k not in NOT_VERDICTS},
         "violations": {"response_schema_conformance": schema_fails,
                        **{k: v["count"] for k, v in fails.items() if k != "response_schema_conformance"}},
-        "errors": st["report"].get("errors"), "probes": probe,
+        "probes": probe,
         "server_log_tracebacks": log.count("Traceback"),
-        "st_output_tail": st["tail"] if not all(verdicts.values()) else st["tail"][-1500:],
+        "st_output_tail": {k: r["tail"] if not all(verdicts.values()) else r["tail"][-1500:] for k, r in runs.items()},
         "verdicts": verdicts, "passed": all(verdicts.values()),
     }
 
@@ -232,10 +289,12 @@ def main(argv: list[str]) -> int:
             work = a.work_dir or Path(d)
             work.mkdir(parents=True, exist_ok=True)
             probe = probes(server)
-            st = run_schemathesis(st_exe, f"http://127.0.0.1:{server.port}", work, a)
+            base = f"http://127.0.0.1:{server.port}"
+            runs = {"all": run_schemathesis(st_exe, base, work, a),
+                    "generation": run_schemathesis(st_exe, base, work, a, generation=True)}
     finally:
         rc = server.stop()
-    res = summarize(a, server, st, probe, started, rc)
+    res = summarize(a, server, runs, probe, started, rc)
     if a.out:
         with open(a.out, "w") as f:
             f.write(json.dumps(res, indent=1) + "\n")
