@@ -19,7 +19,9 @@ import pytest
 from benchmarks import schemathesis as bst
 
 DATA = Path(__file__).parent / "data"
-PEERS_PY = Path(__file__).resolve().parents[1] / ".venv-peers" / "bin" / "python"
+# The peer venv (scripts/setup-peers.sh; PAGEDSERVE_PEERS_VENV as there, relative to the repository root).
+PEERS_PY = (Path(__file__).resolve().parents[1] / os.environ.get("PAGEDSERVE_PEERS_VENV", ".venv-peers")
+            / "bin" / "python")
 opt_in = pytest.mark.skipif(not os.environ.get("PAGEDSERVE_SCHEMATHESIS"),
                             reason="schemathesis against a real server, minutes (PAGEDSERVE_SCHEMATHESIS=1); "
                                    "figures in docs/api.md")
