@@ -214,3 +214,26 @@ def test_reader_follows_a_real_publisher_over_tcp_with_replay() -> None:
         reader.close()
         publisher.close()
         ctx.term()
+
+
+def test_kube_benchmark_reads_each_pods_counters_and_judges_from_the_medians() -> None:
+    """benchmarks/kube_multiturn.py: a pod's own /metrics (no replica label) and Ray's ingress's
+    (one per replica label) give the hit and query counts; the verdicts follow the figures."""
+    from benchmarks.kube_multiturn import verdicts
+    from benchmarks.multiturn_client import median_row, prefix_counters
+
+    pod = ('# TYPE vllm:prefix_cache_hits_total counter\n'
+           'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 96.0\n'
+           'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 128.0\n'
+           'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9\n')
+    assert prefix_counters(pod) == {"": (96.0, 128.0)}
+    ray = pod.replace('engine="0"', 'replica="r1"') + pod.replace('engine="0"', 'replica="r2"').replace("96.0", "4.0")
+    assert prefix_counters(ray, "replica") == {"r1": (96.0, 128.0), "r2": (4.0, 128.0)}
+    run = {"prefix_hit_rate": 0.7, "ttft_p50_s": 1.0, "ttft_p99_s": 9.0, "output_tok_s": 30.0, "lost": []}
+    slow = run | {"prefix_hit_rate": 0.3, "ttft_p50_s": 4.0, "ttft_p99_s": 8.0, "output_tok_s": 15.0}
+    table = {"kv": median_row([run, run | {"ttft_p50_s": 3.0}, run]), "round-robin": median_row([slow] * 3)}
+    assert table["kv"]["ttft_p50_s"] == 1.0
+    assert verdicts(table) == {"hit_rate_ahead": True, "ttft_p50_ahead": True, "ttft_p99_ahead": False,
+                               "throughput_ahead": True, "nothing_lost": True}
+    table["round-robin"]["lost"] = 1
+    assert not verdicts(table)["nothing_lost"]
