@@ -119,7 +119,11 @@ def test_chat_turns_follow_the_cache_and_hashes_match_the_engine(setup: Setup) -
     status, headers, body = _chat(url, turn1)
     assert status == 200, body
     assert headers["x-picker-pod"] == "pod0"  # nobody holds it; a tie on load: the first pod
-    # the engine publishes the prompt's full blocks: exactly the hashes the picker computed
+    # the picker's tokens are the engine's (its own /tokenize, and the prompt it counted) ...
+    ids = setup.hasher.token_ids("/v1/chat/completions", {"messages": turn1})
+    _, _, raw = _post(setup.servers[0].http + "/tokenize", {"messages": turn1})
+    assert ids == json.loads(raw)["tokens"] and len(ids) == json.loads(body)["usage"]["prompt_tokens"]
+    # ... and the engine publishes the prompt's full blocks: exactly the hashes the picker computed
     tok_hashes = setup.hashes(turn1)
     assert len(tok_hashes) >= 4
     _wait(lambda: a.index.prefix(tok_hashes) == len(tok_hashes), "pod0 published the prompt's blocks")
