@@ -151,9 +151,9 @@ async def run_once(url: str, systems: list[str], turns: int, answer: int, counte
             "ttft_p99_s": round(q[98], 3) if ttfts else None,
             "output_tok_s": round(sum(r["tokens"] for r in results) / wall, 2), "wall_s": round(wall, 1),
             "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0, "engines_seen": len(seen),
-            "answered_by": pods,
+            "answered_by": pods,  # by the picker's x-picker-pod header (none through Ray's ingress)
             "users_on_one_pod": sum(len({r.get("pod") for r in results if r["user"] == u}) == 1
-                                    for u in range(len(systems)))}
+                                    for u in range(len(systems))) if pods else None}
 
 
 def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
