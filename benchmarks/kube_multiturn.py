@@ -107,13 +107,18 @@ def start_picker(pods: dict[str, str], policy: str, env: dict[str, str]) -> tupl
     cmd = [sys.executable, "-m", "pagedserve.kvpicker_proxy", "--port", str(port), "--policy", policy]
     for pod, ip in pods.items():
         cmd += ["--pod", f"{pod}=http://{ip}:8000,tcp://{ip}:5560,tcp://{ip}:5561"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd="/")
+    log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody reads while the run goes
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True, cwd="/")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for("the picker", lambda: proc.poll() is None and http(url + "/picker/state")[0] == 200, 300)
     except TimeoutError:
         proc.kill()
-        raise RuntimeError(f"the picker did not start: {proc.communicate()[1][-2000:]}") from None
+        proc.wait()
+        log.seek(0)
+        raise RuntimeError(f"the picker did not start: {log.read()[-2000:]}") from None
+    finally:
+        log.close()  # the child keeps its own descriptor
     return proc, url
 
 
