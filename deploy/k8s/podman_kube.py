@@ -16,6 +16,7 @@ play and a down leave no object (tests/test_container.py lists them before
 and after).
 
     python deploy/k8s/podman_kube.py up [--replicas 2] [--manifest FILE]
+    python deploy/k8s/podman_kube.py addresses             # each pod's address: NAME IP
     python deploy/k8s/podman_kube.py down
     python deploy/k8s/podman_kube.py render --replicas 2   # the YAML it plays
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -38,14 +40,18 @@ NETWORK = "podman-default-kube-network"
 STATE = Path(os.environ.get("PAGEDSERVE_KUBE_STATE", "/var/tmp/pagedserve-kube"))  # what `up` played
 
 
-def render(docs: list[dict[str, Any]], replicas: int | None) -> list[dict[str, Any]]:
-    """The manifest's ConfigMaps as they are, each Deployment as ``replicas`` (default its own)
-    single-pod Deployments; Services dropped."""
+def render(docs: list[dict[str, Any]], replicas: int | None,
+           config: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """The manifest's ConfigMaps (with ``config``'s keys set in each), each Deployment as
+    ``replicas`` (default its own) single-pod Deployments; Services dropped."""
     out: list[dict[str, Any]] = []
     for doc in docs:
         if doc["kind"] == "Service":
             continue
         if doc["kind"] != "Deployment":
+            if doc["kind"] == "ConfigMap" and config:
+                doc = copy.deepcopy(doc)
+                doc.setdefault("data", {}).update(config)
             out.append(doc)
             continue
         n = doc["spec"].get("replicas", 1) if replicas is None else replicas
@@ -69,6 +75,17 @@ def pod_names(docs: list[dict[str, Any]]) -> list[str]:
     return [f"{d['metadata']['name']}-pod-0" for d in docs if d["kind"] == "Deployment"]
 
 
+def pod_addresses(pods: list[str]) -> dict[str, str]:
+    """Each pod's address on podman's kube network (its infra container's)."""
+    out: dict[str, str] = {}
+    for pod in pods:
+        info = json.loads(_podman("pod", "inspect", pod))
+        info = info[0] if isinstance(info, list) else info
+        nets = json.loads(_podman("inspect", info["InfraContainerID"]))[0]["NetworkSettings"]["Networks"]
+        out[pod] = next(iter(nets.values()))["IPAddress"]
+    return out
+
+
 def _podman(*args: str, check: bool = True, input: str | None = None, timeout: float = 300) -> str:
     # Run in STATE: podman 4.3's conmon leaves an empty `oom` file in its working directory.
     r = subprocess.run(["podman", *args], capture_output=True, text=True, input=input, timeout=timeout, cwd=STATE)
@@ -84,8 +101,8 @@ def _secret_yaml() -> str:
     return r.stdout
 
 
-def up(manifest: Path, replicas: int | None, image: str) -> list[str]:
-    docs = render(list(yaml.safe_load_all(manifest.read_text())), replicas)
+def up(manifest: Path, replicas: int | None, image: str, config: dict[str, str] | None = None) -> list[str]:
+    docs = render(list(yaml.safe_load_all(manifest.read_text())), replicas, config)
     played = STATE / "played.yaml"
     played.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     secret_yaml = _secret_yaml()
@@ -128,20 +145,29 @@ def down() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("action", choices=["up", "down", "render"])
+    ap.add_argument("action", choices=["up", "down", "render", "addresses"])
     ap.add_argument("--replicas", type=int, default=None, help="default: the Deployment's own")
     ap.add_argument("--manifest", type=Path, default=MANIFEST)
     ap.add_argument("--image", default=os.environ.get("PAGEDSERVE_IMAGE", "localhost/pagedserve:0.1.0"),
                     help="the image that writes the keys into the Secret's volume")
+    ap.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                    help="set a PAGEDSERVE_* key in the ConfigMap (e.g. PAGEDSERVE_NUM_GPU_BLOCKS=1024)")
     args = ap.parse_args(argv)
+    config = dict(kv.split("=", 1) for kv in args.config if "=" in kv)
+    if len(config) != len(args.config) or any(not k.startswith("PAGEDSERVE_") for k in config):
+        ap.error("--config: KEY=VALUE with a PAGEDSERVE_* key")
     if args.replicas is not None and not 1 <= args.replicas <= 16:
         ap.error("--replicas: 1 to 16")
     STATE.mkdir(mode=0o700, parents=True, exist_ok=True)
     if args.action == "render":
-        docs = render(list(yaml.safe_load_all(args.manifest.read_text())), args.replicas)
+        docs = render(list(yaml.safe_load_all(args.manifest.read_text())), args.replicas, config)
         sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False))
     elif args.action == "up":
-        print("\n".join(up(args.manifest, args.replicas, args.image)))
+        print("\n".join(up(args.manifest, args.replicas, args.image, config)))
+    elif args.action == "addresses":  # of the pods `up` played: NAME ADDRESS per line
+        played = STATE / "played.yaml"
+        pods = pod_names(list(yaml.safe_load_all(played.read_text()))) if played.exists() else []
+        print("\n".join(f"{p} {ip}" for p, ip in pod_addresses(pods).items()))
     else:
         down()
     return 0
