@@ -482,6 +482,69 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float*
   }
 }
 
+// One file block (or superblock) of type qt at b as float32, exactly as kernels/quant.py's
+// dequantize (ggml's formulas, each product and sum rounded as torch rounds them: no fused
+// multiply-adds here).
+__attribute__((optimize("fp-contract=off"))) void dequant_block(int qt, const uint8_t* b, float* out) {
+  auto f16 = [](const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+  };
+  auto nib = [](const uint8_t* qs, int k) { return k < 16 ? qs[k] & 0x0F : qs[k - 16] >> 4; };  // 32 from 16 bytes
+  const float d = f16(b);
+  switch (qt) {
+    case Q8_0:
+      for (int k = 0; k < 32; ++k) out[k] = d * static_cast<float>(static_cast<int8_t>(b[2 + k]));
+      break;
+    case Q4_0:
+      for (int k = 0; k < 32; ++k) out[k] = d * (static_cast<float>(nib(b + 2, k)) - 8.0f);
+      break;
+    case Q4_1: {
+      const float m = f16(b + 2);
+      for (int k = 0; k < 32; ++k) out[k] = d * static_cast<float>(nib(b + 4, k)) + m;
+      break;
+    }
+    case Q5_0:
+    case Q5_1: {
+      const int off = qt == Q5_1 ? 4 : 2;
+      uint32_t qh;
+      std::memcpy(&qh, b + off, 4);
+      const float m = qt == Q5_1 ? f16(b + 2) : 0.0f;
+      for (int k = 0; k < 32; ++k) {
+        const float q = static_cast<float>(nib(b + off + 4, k) | (((qh >> k) & 1u) << 4));
+        out[k] = qt == Q5_1 ? d * q + m : d * (q - 16.0f);
+      }
+      break;
+    }
+    case Q4_K: {
+      const float dmin = f16(b + 2);
+      const uint8_t* s = b + 4;
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        const uint8_t mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        const float a = d * static_cast<float>(sc), c = dmin * static_cast<float>(mn);
+        const uint8_t* qs = b + 16 + (j / 2) * 32;
+        for (int l = 0; l < 32; ++l) out[j * 32 + l] = a * static_cast<float>(j % 2 ? qs[l] >> 4 : qs[l] & 0x0F) - c;
+      }
+      break;
+    }
+    case Q6_K: {
+      const float d6 = f16(b + 208);
+      for (int h = 0; h < 2; ++h)
+        for (int t = 0; t < 4; ++t)
+          for (int l = 0; l < 32; ++l) {
+            const int w = h * 128 + t * 32 + l;
+            const uint8_t lo = (b[h * 64 + (t % 2) * 32 + l] >> (4 * (t / 2))) & 0x0F;
+            const uint8_t hi = (b[128 + h * 32 + l] >> (2 * t)) & 3;
+            const float a = d6 * static_cast<float>(static_cast<int8_t>(b[192 + w / 16]));
+            out[w] = a * (static_cast<float>(lo | (hi << 4)) - 32.0f);
+          }
+      break;
+    }
+  }
+}
+
 // Bytes of the packed form of an [N, K] weight of type qt (0: unknown type or K not whole units).
 int64_t packed_bytes(int qt, int64_t N, int64_t K) {
   if (unit_bytes(qt) == 0 || N <= 0 || K <= 0 || K % unit_weights(qt)) return 0;
@@ -517,6 +580,27 @@ int pagedserve_quant_unpack(int qt, const uint8_t* packed, uint8_t* dst, int64_t
     for (int r = 0; r < G && g * G + r < N; ++r)
       for (int64_t un = 0; un < units; ++un)
         unpack_block(qt, packed + (g * units + un) * ub, dst + (g * G + r) * units * fb + un * fb, r);
+  return 0;
+}
+
+// Rows ids[0..n) of a packed [N, K] weight of type qt as float32 out [n][K], exactly as dequantize
+// reads them (an embedding lookup: a decode step's few rows, not the groups around them).
+// Returns 0, or 1 for bad arguments (an id out of range included).
+int pagedserve_quant_rows(int qt, const uint8_t* packed, int64_t N, int64_t K, const int64_t* ids, int64_t n,
+                          float* out) {
+  if (packed_bytes(qt, N, K) == 0 || n < 0) return 1;
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= N) return 1;
+  const int64_t units = K / unit_weights(qt), ub = unit_bytes(qt), uw = unit_weights(qt);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t g = ids[i] / G;
+    const int r = static_cast<int>(ids[i] % G);
+    uint8_t blk[256];
+    for (int64_t un = 0; un < units; ++un) {
+      unpack_block(qt, packed + (g * units + un) * ub, blk, r);
+      dequant_block(qt, blk, out + i * K + un * uw);
+    }
+  }
   return 0;
 }
 

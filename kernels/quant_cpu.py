@@ -167,3 +167,24 @@ def linear_parts(x: torch.Tensor, parts: Parts, bias: torch.Tensor | None) -> to
         raise ValueError(f"quant_linear types {parts.codes} rows {parts.rows} x {tuple(x.shape)}: "
                          f"bad arguments (code {rc})")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+_ROWS_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+              ctypes.c_void_p]
+
+
+def rows(packed: torch.Tensor, code: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor | None:
+    """Rows ``ids`` (1-D) of the packed [n, k] weight dequantized, float32 [len(ids), k], exactly
+    as ``quant.dequantize``; None without the library."""
+    lib = cpu_build.load()
+    if lib is None:
+        return None
+    fn = lib.pagedserve_quant_rows
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _ROWS_ARGS, ctypes.c_int
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty((ids.numel(), k), dtype=torch.float32)
+    rc = fn(code, packed.data_ptr(), n, k, ids.data_ptr(), ids.numel(), out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"quant rows of ({n}, {k}): bad arguments or an id out of range (code {rc})")
+    return out

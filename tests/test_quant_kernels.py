@@ -205,3 +205,20 @@ def test_parts_side_by_side_equal_float64_and_each_part(types: tuple[str, ...], 
     got = y.double() - bias.double()
     assert ((got - ref_q).abs() <= 1e-5 * scale + out_tol * y.double().abs() + 1e-6).all()
     assert packed_parts([*ws[:1], make_weight(types[0], 16, k, seed=0)]) is None  # one not repacked
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows_of_the_packed_form_dequantize_exactly(qtype: str) -> None:
+    """An embedding lookup over the packed weight (a decode step's few rows, in one call) is
+    exactly ``dequantize``'s rows (which gguf-py's dequantizers hold), cut last group included."""
+    from pagedserve.gpuworker.gguf_weights import embedding_rows
+
+    k = GGML_QUANT_TYPES[qtype].block_size * 2
+    w = make_weight(qtype, 37, k, seed=8)
+    full = dequantize(w)
+    prepare(w, keep_blocks=False)
+    ids = torch.tensor([36, 0, 17, 17, 5, 32])
+    assert torch.equal(quant_cpu.rows(w.packed, w.quant.code, 37, k, ids), full[ids])
+    assert torch.equal(embedding_rows(w, ids), full[ids])
+    with pytest.raises(ValueError, match="out of range"):
+        quant_cpu.rows(w.packed, w.quant.code, 37, k, torch.tensor([37]))
