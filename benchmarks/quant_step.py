@@ -1,9 +1,9 @@
 """Per-step time of a single-stream decode, in one process, for the ways the worker can run
 one GGUF file: its blocks through the compiled stack (``quant-fused``), its blocks layer by
 layer (``quant-layers``), and the file dequantized to bfloat16 through the stack
-(``bf16-fused``). The configurations take turns, round by round, so load on the machine
-falls on each alike; the figure is the median ms per decode step (forward, LM head and
-sampling, as ``ModelRunner.execute`` runs them).
+(``bf16-fused``). The configurations take turns step by step, so load on the machine falls
+on each alike; a round's figure is the median ms of its decode steps (forward, LM head and
+sampling, as ``ModelRunner.execute`` runs them), the result the median over rounds.
 
     python -m benchmarks quant-step --files Q4_1,Q8_0 --steps 64 --rounds 5 --out FILE
 """
@@ -43,13 +43,11 @@ def make_runner(path: str, dequantize: str, seqs: int = 1, prompt: int = 64, ste
     return r
 
 
-def decode_ms(r: Any, fused: str, prompt: int, steps: int, seqs: int = 1) -> list[float]:
-    """ms of each decode step of ``seqs`` sequences after each one's ``prompt``-token prefill."""
+def start(r: Any, prompt: int, steps: int, seqs: int) -> None:
+    """Prefills ``seqs`` sequences of ``prompt`` tokens (untimed)."""
     from pagedserve.common.messages.types import SamplingParams
     from pagedserve.common.messages.worker import BlockDiff, ExecuteStep, NewSeq, ScheduledSeq
 
-    os.environ["PAGEDSERVE_CPU_FUSED_LAYERS"] = fused  # read when the stack is (re)built, each step without one
-    r.model.fused = None
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     per = -(-(prompt + steps + 1) // 16)
     new, diffs = [], []
@@ -57,17 +55,22 @@ def decode_ms(r: Any, fused: str, prompt: int, steps: int, seqs: int = 1) -> lis
         ids = [(7 * k + 13 * i + 3) % 5000 + 100 for k in range(prompt)]
         new.append(NewSeq(i, ids, 0, params, prompt))
         diffs.append(BlockDiff(i, 0, list(range(1 + i * per, 1 + (i + 1) * per))))
+    r.model.fused = None
     r.execute(ExecuteStep(0, new, diffs, [ScheduledSeq(i, prompt) for i in range(seqs)], []))
-    out = []
-    for s in range(steps):
-        t0 = time.perf_counter()
-        r.execute(ExecuteStep(s + 1, [], [], [ScheduledSeq(i, 1) for i in range(seqs)], []))
-        out.append((time.perf_counter() - t0) * 1e3)
-    built = r.model.fused is not None
-    r.reset()
-    if built != (fused == "1"):
-        raise RuntimeError(f"the compiled stack was {'' if built else 'not '}built with CPU_FUSED_LAYERS={fused}")
-    return out
+
+
+def step_ms(r: Any, fused: str, step: int, seqs: int) -> float:
+    """ms of one decode step of every sequence."""
+    from pagedserve.common.messages.worker import ExecuteStep, ScheduledSeq
+
+    os.environ["PAGEDSERVE_CPU_FUSED_LAYERS"] = fused  # read whenever no stack is built (each step layer by layer)
+    t0 = time.perf_counter()
+    r.execute(ExecuteStep(step, [], [], [ScheduledSeq(i, 1) for i in range(seqs)], []))
+    ms = (time.perf_counter() - t0) * 1e3
+    if (r.model.fused is not None) != (fused == "1"):
+        raise RuntimeError(f"the compiled stack {'was' if r.model.fused is not None else 'was not'} built "
+                           f"with CPU_FUSED_LAYERS={fused}")
+    return ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,9 +99,16 @@ def main(argv: list[str] | None = None) -> int:
         for seqs in (int(n) for n in args.seqs.split(",")):
             rounds: dict[str, list[float]] = {name: [] for name in CONFIGS}
             for _ in range(args.rounds):
+                samples: dict[str, list[float]] = {name: [] for name in CONFIGS}
                 for name, (_, fused) in CONFIGS.items():
-                    ms = decode_ms(runners[name], fused, args.prompt, args.steps, seqs)
-                    rounds[name].append(statistics.median(ms))
+                    os.environ["PAGEDSERVE_CPU_FUSED_LAYERS"] = fused
+                    start(runners[name], args.prompt, args.steps, seqs)
+                for step in range(1, args.steps + 1):  # the configurations take turns step by step
+                    for name, (_, fused) in CONFIGS.items():
+                        samples[name].append(step_ms(runners[name], fused, step, seqs))
+                for name in CONFIGS:
+                    runners[name].reset()
+                    rounds[name].append(statistics.median(samples[name]))
             med = {name: statistics.median(v) for name, v in rounds.items()}
             result["files"][f"{which}/seqs={seqs}"] = {
                 "rounds_ms": rounds, "median_ms": med, "quant_fused_vs_layers": med["quant-layers"] / med["quant-fused"],

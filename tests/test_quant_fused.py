@@ -6,6 +6,7 @@ linear (q/k/v of Q4_K_M) included; and layer by layer wherever a linear is not p
 tests/test_quant_serve.py holds the quantized worker to the dequantized file."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,23 +15,19 @@ from models import make_tiny_model
 from test_cpu_fused import _run
 from test_gguf_serve import write_llama_gguf
 from test_quant_kernels import make_weight
-from test_quant_serve import TINY, env, runner
+from test_quant_serve import TINY, runner
 
 from pagedserve.gpuworker import cpu_fused
 from pagedserve.gpuworker.cpu_fused import FusedStack
 from pagedserve.gpuworker.model_runner import ModelRunner
 from pagedserve.kernels.quant import QuantWeight, prepare
 
-FUSED = "CPU_FUSED_LAYERS"
-
-
-def _pair(path: str, dtype: str, edit: object = None) -> tuple[ModelRunner, ModelRunner]:
-    """(fused, layer by layer) runners on the file; ``edit(model)`` applied to both before the first step."""
+def _pair(path: str, dtype: str, edit: Callable[[torch.nn.Module], None] | None = None) -> tuple[ModelRunner, ModelRunner]:
+    """Two runners on the file (``_same`` runs the second layer by layer); ``edit(model)`` applied to both."""
     out = []
-    for flag in ("1", "0"):
-        with env(**{FUSED: flag}):
-            r = runner(path, blocks=64, dtype=dtype)
-        if callable(edit):
+    for _ in range(2):
+        r = runner(path, blocks=64, dtype=dtype)
+        if edit is not None:
             edit(r.model)
         out.append(r)
     return out[0], out[1]
