@@ -7,7 +7,8 @@ kernel anyway (CPU, float32 or bfloat16, one rank, the torch attention backend,
 every linear packed in panels or holding GGUF blocks the int8 kernels packed,
 a KV pool the library reads); anywhere else it
 returns None and the model runs layer by layer, with the same result bit for
-bit (tests/test_cpu_fused.py). ``PAGEDSERVE_CPU_FUSED_LAYERS=0`` turns it off.
+bit (tests/test_cpu_fused.py; GGUF blocks: tests/test_quant_fused.py).
+``PAGEDSERVE_CPU_FUSED_LAYERS=0`` turns it off.
 
 A stack holds the addresses of the weights, pools and fp8 scales it was built
 over, and keeps the objects alive; ``current`` tells whether the model still
