@@ -172,6 +172,19 @@ def run_one(engine: str, path: str, scenario: str, dtype: str, log: Path) -> dic
         server.stop()
 
 
+# Issue 40's bars: single stream at least 1.0x llama.cpp (acceptance 2); many streams at least 3x
+# llama.cpp and no slower than pagedserve's own bf16 on the same workload (acceptance 3).
+BARS = {"single": {"vs_llama_cpp": 1.0}, "many": {"vs_llama_cpp": 3.0, "vs_own_bf16": 1.0}}
+
+
+def verdict(scenario: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """Each bar of the scenario against the medians: {bar: {"ratio", "bar", "pass"}} (None: not measured)."""
+    ratios = {"vs_llama_cpp": entry.get("ratio_vs_llama_cpp", {}).get("pagedserve"),
+              "vs_own_bf16": entry.get("ratio_quant_vs_bf16")}
+    return {name: None if ratios[name] is None else {"ratio": ratios[name], "bar": bar, "pass": ratios[name] >= bar}
+            for name, bar in BARS.get(scenario, {}).items()}
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.llamacpp", description=__doc__.split("\n\n")[0])
     p.add_argument("--files", default="Q8_0,Q4_1", help="Q8_0, Q4_1 (SmolLM2) or paths of GGUF files")
@@ -188,7 +201,9 @@ def main(argv: list[str]) -> int:
         return 2
     logs = Path(tempfile.mkdtemp(prefix="bench-llamacpp-"))
     res: dict[str, Any] = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           "note": args.note, "dtype": args.dtype, "runs": args.runs, "results": {}}
+                           "note": args.note, "dtype": args.dtype, "runs": args.runs, "engines": engines,
+                           "baseline": "llama.cpp (llama-server, same file, -t 2); pagedserve-bf16 for acceptance 3",
+                           "command": "python -m benchmarks llamacpp " + " ".join(argv), "results": {}}
     for f in args.files.split(","):
         path = model_file(f)
         for scenario in args.scenarios.split(","):
@@ -206,9 +221,11 @@ def main(argv: list[str]) -> int:
                 entry["ratio_vs_llama_cpp"] = {e: med[e] / med["llama.cpp"] for e in med if e != "llama.cpp"}
             if "pagedserve-bf16" in med and "pagedserve" in med:
                 entry["ratio_quant_vs_bf16"] = med["pagedserve"] / med["pagedserve-bf16"]
+            entry["verdict"] = verdict(scenario, entry)
             res["results"][key] = entry
             print(f"{key}: medians {', '.join(f'{e} {v:.1f}' for e, v in med.items())} tok/s; "
-                  f"ratios {json.dumps({k: round(v, 2) for k, v in entry.get('ratio_vs_llama_cpp', {}).items()})}",
+                  f"ratios {json.dumps({k: round(v, 2) for k, v in entry.get('ratio_vs_llama_cpp', {}).items()})}; "
+                  f"verdict {json.dumps(entry['verdict'])}",
                   flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -4,9 +4,11 @@ Python and ctypes round trips per layer.
 
 ``FusedStack.build`` takes it only where every op would have run its compiled
 kernel anyway (CPU, float32 or bfloat16, one rank, the torch attention backend,
-every linear packed in panels, a KV pool the library reads); anywhere else it
+every linear packed in panels or holding GGUF blocks the int8 kernels packed,
+a KV pool the library reads); anywhere else it
 returns None and the model runs layer by layer, with the same result bit for
-bit (tests/test_cpu_fused.py). ``PAGEDSERVE_CPU_FUSED_LAYERS=0`` turns it off.
+bit (tests/test_cpu_fused.py; GGUF blocks: tests/test_quant_fused.py).
+``PAGEDSERVE_CPU_FUSED_LAYERS=0`` turns it off.
 
 A stack holds the addresses of the weights, pools and fp8 scales it was built
 over, and keeps the objects alive; ``current`` tells whether the model still
@@ -25,7 +27,8 @@ from pagedserve.gpuworker.cpu_gemm import Layout, PackedWeight
 from pagedserve.gpuworker.layers import AttentionMetadata
 from pagedserve.kernels import cpu_build
 from pagedserve.kernels.cpu_attention import DTYPE_CODES, kv_code
-from pagedserve.kernels.cpu_layers import LayerPtrs, StackArgs, addr, llama_stack, table_addr
+from pagedserve.kernels.cpu_layers import MAX_PARTS, LayerPtrs, Linear, StackArgs, addr, llama_stack, table_addr
+from pagedserve.kernels.quant import packed_parts
 
 ENV = "CPU_FUSED_LAYERS"
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -35,11 +38,22 @@ def _usable(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
     return t is None or (t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous())
 
 
-def _panels(linear: Any, dtype: torch.dtype) -> PackedWeight | None:
-    p: PackedWeight | None = linear.packed
-    if p is None or p.layout is not Layout.PANELS or not _usable(p.data, dtype) or not _usable(linear.bias, dtype):
+def _linear(linear: Any, dtype: torch.dtype) -> Linear | None:
+    """The C view of a linear: its bf16/fp32 panels, or its GGUF blocks as the int8 kernels packed
+    them (the parts ``linear.py``'s ``_quant_forward`` runs in one call); None: neither."""
+    if not _usable(linear.bias, dtype):
         return None
-    return p
+    if getattr(linear, "qweights", None):
+        parts = packed_parts(linear.qweights)
+        if parts is None or len(parts.packed) > MAX_PARTS:
+            return None
+        n = len(parts.packed)
+        return Linear(data=(*parts.c_packed,), bias=addr(linear.bias), rows=(*parts.rows,), qtypes=(*parts.codes,),
+                      parts=n)
+    p: PackedWeight | None = linear.packed
+    if p is None or p.layout is not Layout.PANELS or not _usable(p.data, dtype):
+        return None
+    return Linear(data=(addr(p.data),), bias=addr(linear.bias), parts=0)
 
 
 class FusedStack:
@@ -65,10 +79,12 @@ class FusedStack:
     def _watch(self) -> list[object]:
         """What a rebuild would read that the runner may swap after building: backends, scales, packings."""
         return ([a.backend for a in self.attns] + [a.k_scale for a in self.attns] + [a.v_scale for a in self.attns]
-                + [m.packed for m in self.linears])
+                + [m.packed for m in self.linears] + [w.packed for m in self.linears for w in m.qweights])
 
     def current(self, kv_caches: Sequence[KVCache]) -> bool:
-        return kv_caches is self.kv_caches and all(map(operator.is_, self._watch(), self.watched))
+        now = self._watch()
+        return (kv_caches is self.kv_caches and len(now) == len(self.watched)
+                and all(map(operator.is_, now, self.watched)))
 
     @classmethod
     def build(cls, model: Any, kv_caches: Sequence[KVCache]) -> FusedStack | None:
@@ -82,7 +98,7 @@ class FusedStack:
         ptrs = (LayerPtrs * model.num_layers)()
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
-            packs = [_panels(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            packs = [_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if (attn.attn.backend.name != "torch" or attn.attn.extras or attn.attn.sinks is not None or None in packs or kv_code(dtype, pool.dtype) is None
                     or any(c.dtype != pool.dtype or c.shape[1:] != (pool.shape[1], attn.num_kv_heads, attn.head_dim)
@@ -90,13 +106,8 @@ class FusedStack:
                     or any(n.eps != eps or not _usable(n.weight, dtype) for n in norms)
                     or not (_usable(attn.attn.k_scale, torch.float32) and _usable(attn.attn.v_scale, torch.float32))):
                 return None
-            qkv, o, gate_up, down = packs
-            ptrs[i] = LayerPtrs(
-                addr(norms[0].weight), addr(norms[1].weight), addr(qkv.data), addr(attn.qkv_proj.bias),
-                addr(o.data), addr(attn.o_proj.bias), addr(gate_up.data), addr(mlp.gate_up_proj.bias),
-                addr(down.data), addr(mlp.down_proj.bias), addr(k_cache), addr(v_cache),
-                addr(attn.attn.k_scale), addr(attn.attn.v_scale),
-            )
+            ptrs[i] = LayerPtrs(addr(norms[0].weight), addr(norms[1].weight), *packs, addr(k_cache), addr(v_cache),
+                                addr(attn.attn.k_scale), addr(attn.attn.v_scale))
         return cls(model, kv_caches, ptrs)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

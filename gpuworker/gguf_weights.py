@@ -144,6 +144,10 @@ def embedding_rows(w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     if w.data is not None:
         return dequantize(QuantWeight(w.data.index_select(0, ids), w.qtype, (ids.numel(), k)))
+    if ids.device.type == "cpu" and w.packed.device.type == "cpu":  # type: ignore[union-attr]
+        out = quant_cpu.rows(w.packed, w.quant.code, n, k, ids)  # type: ignore[arg-type]
+        if out is not None:  # the rows alone, in one call (a decode step's lookup: ~10 torch ops otherwise)
+            return out
     groups, slot = torch.unique(ids // quant_cpu.GROUP, return_inverse=True)
     per_group = w.packed.numel() // -(-n // quant_cpu.GROUP)  # type: ignore[union-attr]
     packed = w.packed.view(-1, per_group).index_select(0, groups).reshape(-1)  # type: ignore[union-attr]

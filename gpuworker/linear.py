@@ -27,7 +27,7 @@ from torch import nn
 from pagedserve.gpuworker.cpu_gemm import PackedWeight, linear
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, head_range, split_range
 from pagedserve.gpuworker.gguf_weights import Weight, column_slice, dense, embedding_rows, merge_rows
-from pagedserve.kernels.quant import QuantWeight, dequantize, quant_linear
+from pagedserve.kernels.quant import QuantWeight, dequantize, packed_parts, quant_linear, quant_linear_parts
 
 
 def _check(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
@@ -40,15 +40,18 @@ def _quantize_layer(module: nn.Module, qweights: list[QuantWeight]) -> None:
     device = module.weight.device
     module.qweights = [w if w.data.device == device else QuantWeight(w.data.to(device), w.qtype, w.shape)
                        for w in qweights]
+    module.qparts = None  # the kernels' view of the blocks, once packed (_quant_forward)
     module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype, device=module.weight.device),
                                  requires_grad=False)
 
 
-def _quant_forward(x: torch.Tensor, qweights: list[QuantWeight], bias: torch.Tensor | None) -> torch.Tensor:
-    if len(qweights) == 1:
-        return quant_linear(x, qweights[0], bias)
-    y = torch.cat([quant_linear(x, w) for w in qweights], dim=-1)  # q/k/v of different types (Q4_K_M)
-    return y if bias is None else y + bias
+def _quant_forward(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """By the layer's blocks: its parts (q/k/v of different types in Q4_K_M) in one compiled call,
+    as the fused stack (cpu_fused.py) makes it, so the two agree bit for bit."""
+    parts = module.qparts
+    if parts is None or any(p is not w.packed for p, w in zip(parts.packed, module.qweights)):
+        parts = module.qparts = packed_parts(module.qweights)  # built once, after pack_model repacks
+    return quant_linear_parts(x, module.qweights, bias, parts)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -97,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweights:
-            return _quant_forward(x, self.qweights, self.bias)
+            return _quant_forward(self, x, self.bias)
         return linear(x, self.weight, self.bias, self.packed)
 
 
@@ -139,7 +142,7 @@ class RowParallelLinear(nn.Module):
 
     def _local(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.qweights:
-            return _quant_forward(x, self.qweights, bias)
+            return _quant_forward(self, x, bias)
         return linear(x, self.weight, bias, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@ kernels as the per-op path (``cpu_ops.py``, ``cpu_attention.py``), in the
 same order, so its output is bit for bit theirs, without a Python and ctypes
 round trip per op.
 
-``LayerPtrs`` and ``StackArgs`` mirror the C structs field for field. The
+``Linear``, ``LayerPtrs`` and ``StackArgs`` mirror the C structs field for field. The
 caller (``gpuworker/cpu_fused.py``) checks every tensor's dtype, device and
 layout before it hands their addresses over; this module only marshals.
 """
@@ -18,14 +18,22 @@ from pagedserve.kernels import cpu_build
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 
 
-class LayerPtrs(ctypes.Structure):
-    """One decoder layer: norm weights, packed linears (``cpu_ops.pack_linear``)
-    and their biases (None: no bias), the layer's K/V pool and its fp8 scales."""
+class Linear(ctypes.Structure):
+    """One linear: ``parts`` 0, the panels of ``cpu_ops.pack_linear`` in ``data[0]``; 1 to 3, GGUF
+    weights side by side (``quant_cpu.repack``'s form), part p of ggml type ``qtypes[p]`` with
+    ``rows[p]`` output rows. ``bias``: None, no bias."""
 
-    _fields_ = [(name, _p) for name in (
-        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down", "down_bias",
-        "k_cache", "v_cache", "k_scale", "v_scale",
-    )]
+    _fields_ = [("data", _p * 3), ("bias", _p), ("rows", ctypes.c_int64 * 3), ("qtypes", _i * 3), ("parts", _i)]
+
+
+MAX_PARTS = 3  # Linear's quantized parts (q/k/v of three types at most)
+
+
+class LayerPtrs(ctypes.Structure):
+    """One decoder layer: norm weights, its four linears, the layer's K/V pool and its fp8 scales."""
+
+    _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
+                ("down", Linear), ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p)]
 
 
 class StackArgs(ctypes.Structure):

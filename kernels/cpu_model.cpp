@@ -1,5 +1,6 @@
 // A Llama-family decoder stack in one call: every layer's norms, linears,
-// RoPE + cache write, paged attention and SiLU-and-mul, by the same entry
+// RoPE + cache write, paged attention and SiLU-and-mul (linears over bf16/fp32
+// panels or GGUF blocks, per layer), by the same entry
 // points the per-op Python path calls (so the result is bit for bit that
 // path's), without a Python and ctypes round trip per op. At one to a few
 // sequences those round trips were about a quarter of a SmolLM2 decode step
@@ -23,28 +24,44 @@ int pagedserve_paged_attention(int dtype, int kv_dtype, const void* q, const voi
                                int table_stride, int64_t q_stride, float scale, const float* k_scale,
                                const float* v_scale);
 int pagedserve_silu_and_mul(int dtype, const void* x, void* out, int rows, int width);
+int pagedserve_quant_linear_parts(int dtype, const void* x, const void* bias, void* y, int64_t M, int64_t K,
+                                  int parts, const int32_t* qtypes, const uint8_t* const* packed,
+                                  const int64_t* rows);
 }
 
 namespace {
 
-// One decoder layer's tensors (packed weights in cpu_linear.cpp's panels;
-// biases may be null). Field order is kernels/cpu_layers.py's LayerPtrs.
+// One linear layer: the panels of cpu_linear.cpp (parts == 0: data[0]), or up to 3 GGUF
+// weights side by side, repacked by quant_cpu.cpp (part p: ggml type qtypes[p], rows[p] output
+// rows; q/k/v of different types, as Q4_K_M mixes them). Field order is cpu_layers.py's Linear.
+struct Linear {
+  const void* data[3];
+  const void* bias;  // null: none
+  int64_t rows[3];
+  int32_t qtypes[3];
+  int32_t parts;
+};
+
+// One decoder layer's tensors. Field order is kernels/cpu_layers.py's LayerPtrs.
 struct LayerPtrs {
   const void* input_norm;
   const void* post_norm;
-  const void* qkv;
-  const void* qkv_bias;
-  const void* o;
-  const void* o_bias;
-  const void* gate_up;
-  const void* gate_up_bias;
-  const void* down;
-  const void* down_bias;
+  Linear qkv, o, gate_up, down;
   void* k_cache;
   void* v_cache;
   const float* k_scale;
   const float* v_scale;
 };
+
+// y [M][N] = x [M][K] . W^T (+ bias) by the kernel the layer-by-layer path calls for w.
+int run_linear(int dtype, const Linear& w, const void* x, void* y, int64_t M, int64_t N, int64_t K) {
+  if (w.parts == 0) return pagedserve_linear(dtype, x, w.data[0], w.bias, y, M, N, K);
+  int64_t rows = 0;
+  for (int p = 0; p < w.parts && p < 3; ++p) rows += w.rows[p];
+  if (w.parts > 3 || rows != N) return 1;
+  return pagedserve_quant_linear_parts(dtype, x, w.bias, y, M, K, w.parts, w.qtypes,
+                                       reinterpret_cast<const uint8_t* const*>(w.data), w.rows);
+}
 
 // The model's shape and this step's batch. Field order is cpu_layers.py's StackArgs.
 struct StackArgs {
@@ -120,7 +137,7 @@ int pagedserve_llama_stack(const StackArgs* a) {
       rc = pagedserve_add_rms_norm(dt, y, residual, w.input_norm, h, T, H, a->eps);
     }
     if (rc) return rc;
-    if ((rc = pagedserve_linear(dt, h, w.qkv, w.qkv_bias, qkv, T, qkv_width, H))) return rc;
+    if ((rc = run_linear(dt, w.qkv, h, qkv, T, qkv_width, H))) return rc;
     if ((rc = pagedserve_rope_and_cache(dt, a->kv_dtype, qkv, qkv_width, T, a->heads, a->kv_heads, D, a->positions,
                                         a->cos, a->sin, w.k_cache, w.v_cache, a->slots, w.k_scale, w.v_scale)))
       return rc;
@@ -128,11 +145,11 @@ int pagedserve_llama_stack(const StackArgs* a) {
                                          a->query_start_loc, attn, a->num_seqs, a->heads, a->kv_heads, D,
                                          a->block_size, a->table_stride, qkv_width, a->scale, w.k_scale, w.v_scale)))
       return rc;
-    if ((rc = pagedserve_linear(dt, attn, w.o, w.o_bias, y, T, H, q_width))) return rc;
+    if ((rc = run_linear(dt, w.o, attn, y, T, H, q_width))) return rc;
     if ((rc = pagedserve_add_rms_norm(dt, y, residual, w.post_norm, h, T, H, a->eps))) return rc;
-    if ((rc = pagedserve_linear(dt, h, w.gate_up, w.gate_up_bias, gate_up, T, 2 * I, H))) return rc;
+    if ((rc = run_linear(dt, w.gate_up, h, gate_up, T, 2 * I, H))) return rc;
     if ((rc = pagedserve_silu_and_mul(dt, gate_up, act, T, I))) return rc;
-    if ((rc = pagedserve_linear(dt, act, w.down, w.down_bias, y, T, H, I))) return rc;
+    if ((rc = run_linear(dt, w.down, act, y, T, H, I))) return rc;
   }
   return pagedserve_add_rms_norm(dt, y, residual, a->final_norm, a->out, T, H, a->eps);
 }

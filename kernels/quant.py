@@ -217,3 +217,30 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def packed_parts(ws: list[QuantWeight]) -> quant_cpu.Parts | None:
+    """The compiled kernels' view of weights side by side (all of one in_features), or None
+    where one of them is not prepared."""
+    if not ws or any(w.packed is None for w in ws) or len({w.shape[1] for w in ws}) != 1:
+        return None
+    return quant_cpu.Parts([w.packed for w in ws], [w.quant.code for w in ws],  # type: ignore[misc]
+                           [w.shape[0] for w in ws], ws[0].shape[1])
+
+
+def quant_linear_parts(x: torch.Tensor, ws: list[QuantWeight], bias: torch.Tensor | None,
+                       parts: quant_cpu.Parts | None) -> torch.Tensor:
+    """x @ [W_0; W_1; ...].T (+ bias): the outputs of weights side by side (q/k/v of different
+    types, as Q4_K_M has them), by ``parts`` (``packed_parts(ws)``) where the kernels run,
+    otherwise part by part, each with its slice of the bias."""
+    if parts is not None:
+        y = quant_cpu.linear_parts(x, parts, bias)
+        if y is not None:
+            return y
+    if len(ws) == 1:
+        return quant_linear(x, ws[0], bias)
+    outs, off = [], 0
+    for w in ws:
+        outs.append(quant_linear(x, w, None if bias is None else bias[off : off + w.shape[0]]))
+        off += w.shape[0]
+    return torch.cat(outs, dim=-1)

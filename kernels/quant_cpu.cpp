@@ -363,7 +363,7 @@ inline void tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, _
 
 template <int QT, int MM, int PP, typename T>
 inline void run_tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, int64_t n0, int64_t N,
-                     const T* bias, T* y) {
+                     const T* bias, T* y, int64_t ldy) {
   __m512 acc[MT][P];
   for (int m = 0; m < MM; ++m)
     for (int p = 0; p < PP; ++p) acc[m][p] = _mm512_setzero_ps();
@@ -373,20 +373,20 @@ inline void run_tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m
     alignas(64) float out[G];
     for (int m = 0; m < MM; ++m) {
       _mm512_store_ps(out, acc[m][p]);
-      for (int j = 0; j < cols; ++j) store(y + (m0 + m) * N + c0 + j, out[j] + (bias ? load(bias + c0 + j) : 0.0f));
+      for (int j = 0; j < cols; ++j) store(y + (m0 + m) * ldy + c0 + j, out[j] + (bias ? load(bias + c0 + j) : 0.0f));
     }
   }
 }
 
 template <int QT, int PP, int R, typename T>
 inline void groups_rows(const uint8_t* wg, int64_t gstride, const Act& x, int64_t M, int64_t n0, int64_t N,
-                        const T* bias, T* y) {
+                        const T* bias, T* y, int64_t ldy) {
   int64_t m0 = 0;
-  for (; m0 + R <= M; m0 += R) run_tile<QT, R, PP>(wg, gstride, x, m0, n0, N, bias, y);
+  for (; m0 + R <= M; m0 += R) run_tile<QT, R, PP>(wg, gstride, x, m0, n0, N, bias, y, ldy);
   switch (M - m0) {  // the remainder, unrolled at compile time
 #define PAGEDSERVE_REST(r) \
   case r:                  \
-    if constexpr (r < R) run_tile<QT, r, PP>(wg, gstride, x, m0, n0, N, bias, y); break;
+    if constexpr (r < R) run_tile<QT, r, PP>(wg, gstride, x, m0, n0, N, bias, y, ldy); break;
     PAGEDSERVE_REST(1) PAGEDSERVE_REST(2) PAGEDSERVE_REST(3) PAGEDSERVE_REST(4) PAGEDSERVE_REST(5)
     PAGEDSERVE_REST(6) PAGEDSERVE_REST(7)
 #undef PAGEDSERVE_REST
@@ -398,17 +398,17 @@ static_assert(MT <= 8, "groups_rows unrolls remainders of up to 7 rows");
 
 // PP groups per tile and R rows per tile, over each thread's contiguous part of the groups.
 template <int QT, int PP, int R, typename T>
-void linear_tiles(const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M, int64_t N) {
+void linear_tiles(const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M, int64_t N, int64_t ldy) {
   const int64_t groups = (N + G - 1) / G, runs = groups / PP, gstride = x.K / unit_weights(QT) * unit_bytes(QT);
 #pragma omp parallel
   {
     FlushDenormals ftz;
 #pragma omp for schedule(static)  // each thread streams one contiguous part of the groups
     for (int64_t i = 0; i < runs; ++i)
-      groups_rows<QT, PP, R>(packed + i * PP * gstride, gstride, x, M, i * PP * G, N, bias, y);
+      groups_rows<QT, PP, R>(packed + i * PP * gstride, gstride, x, M, i * PP * G, N, bias, y, ldy);
 #pragma omp for schedule(static)
     for (int64_t g = runs * PP; g < groups; ++g)
-      groups_rows<QT, 1, R>(packed + g * gstride, gstride, x, M, g * G, N, bias, y);
+      groups_rows<QT, 1, R>(packed + g * gstride, gstride, x, M, g * G, N, bias, y, ldy);
   }
 }
 
@@ -416,21 +416,21 @@ void linear_tiles(const Act& x, const uint8_t* packed, const T* bias, T* y, int6
 // memory does all the work (two tiles of 6 + 2 rows of 2 groups ran the 1B decode step's
 // linears 1.0x the bf16 panels' speed at 8 rows, one core); one row: 2 groups, two chains.
 template <int QT, typename T>
-void linear(const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M, int64_t N) {
-  if (M >= 2 && M <= 8) linear_tiles<QT, 1, 8>(x, packed, bias, y, M, N);
-  else linear_tiles<QT, P, rows_per_tile<QT>()>(x, packed, bias, y, M, N);
+void linear(const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M, int64_t N, int64_t ldy) {
+  if (M >= 2 && M <= 8) linear_tiles<QT, 1, 8>(x, packed, bias, y, M, N, ldy);
+  else linear_tiles<QT, P, rows_per_tile<QT>()>(x, packed, bias, y, M, N, ldy);
 }
 
 template <typename T>
-void dispatch(int qt, const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M, int64_t N) {
+void dispatch(int qt, const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M, int64_t N, int64_t ldy) {
   switch (qt) {
-    case Q8_0: linear<Q8_0>(x, packed, bias, y, M, N); break;
-    case Q4_0: linear<Q4_0>(x, packed, bias, y, M, N); break;
-    case Q4_1: linear<Q4_1>(x, packed, bias, y, M, N); break;
-    case Q5_0: linear<Q5_0>(x, packed, bias, y, M, N); break;
-    case Q5_1: linear<Q5_1>(x, packed, bias, y, M, N); break;
-    case Q4_K: linear<Q4_K>(x, packed, bias, y, M, N); break;
-    case Q6_K: linear<Q6_K>(x, packed, bias, y, M, N); break;
+    case Q8_0: linear<Q8_0>(x, packed, bias, y, M, N, ldy); break;
+    case Q4_0: linear<Q4_0>(x, packed, bias, y, M, N, ldy); break;
+    case Q4_1: linear<Q4_1>(x, packed, bias, y, M, N, ldy); break;
+    case Q5_0: linear<Q5_0>(x, packed, bias, y, M, N, ldy); break;
+    case Q5_1: linear<Q5_1>(x, packed, bias, y, M, N, ldy); break;
+    case Q4_K: linear<Q4_K>(x, packed, bias, y, M, N, ldy); break;
+    case Q6_K: linear<Q6_K>(x, packed, bias, y, M, N, ldy); break;
   }
 }
 #else
@@ -482,6 +482,69 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float*
   }
 }
 
+// One file block (or superblock) of type qt at b as float32, exactly as kernels/quant.py's
+// dequantize (ggml's formulas, each product and sum rounded as torch rounds them: no fused
+// multiply-adds here).
+__attribute__((optimize("fp-contract=off"))) void dequant_block(int qt, const uint8_t* b, float* out) {
+  auto f16 = [](const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+  };
+  auto nib = [](const uint8_t* qs, int k) { return k < 16 ? qs[k] & 0x0F : qs[k - 16] >> 4; };  // 32 from 16 bytes
+  const float d = f16(b);
+  switch (qt) {
+    case Q8_0:
+      for (int k = 0; k < 32; ++k) out[k] = d * static_cast<float>(static_cast<int8_t>(b[2 + k]));
+      break;
+    case Q4_0:
+      for (int k = 0; k < 32; ++k) out[k] = d * (static_cast<float>(nib(b + 2, k)) - 8.0f);
+      break;
+    case Q4_1: {
+      const float m = f16(b + 2);
+      for (int k = 0; k < 32; ++k) out[k] = d * static_cast<float>(nib(b + 4, k)) + m;
+      break;
+    }
+    case Q5_0:
+    case Q5_1: {
+      const int off = qt == Q5_1 ? 4 : 2;
+      uint32_t qh;
+      std::memcpy(&qh, b + off, 4);
+      const float m = qt == Q5_1 ? f16(b + 2) : 0.0f;
+      for (int k = 0; k < 32; ++k) {
+        const float q = static_cast<float>(nib(b + off + 4, k) | (((qh >> k) & 1u) << 4));
+        out[k] = qt == Q5_1 ? d * q + m : d * (q - 16.0f);
+      }
+      break;
+    }
+    case Q4_K: {
+      const float dmin = f16(b + 2);
+      const uint8_t* s = b + 4;
+      for (int j = 0; j < 8; ++j) {
+        const uint8_t sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        const uint8_t mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        const float a = d * static_cast<float>(sc), c = dmin * static_cast<float>(mn);
+        const uint8_t* qs = b + 16 + (j / 2) * 32;
+        for (int l = 0; l < 32; ++l) out[j * 32 + l] = a * static_cast<float>(j % 2 ? qs[l] >> 4 : qs[l] & 0x0F) - c;
+      }
+      break;
+    }
+    case Q6_K: {
+      const float d6 = f16(b + 208);
+      for (int h = 0; h < 2; ++h)
+        for (int t = 0; t < 4; ++t)
+          for (int l = 0; l < 32; ++l) {
+            const int w = h * 128 + t * 32 + l;
+            const uint8_t lo = (b[h * 64 + (t % 2) * 32 + l] >> (4 * (t / 2))) & 0x0F;
+            const uint8_t hi = (b[128 + h * 32 + l] >> (2 * t)) & 3;
+            const float a = d6 * static_cast<float>(static_cast<int8_t>(b[192 + w / 16]));
+            out[w] = a * (static_cast<float>(lo | (hi << 4)) - 32.0f);
+          }
+      break;
+    }
+  }
+}
+
 // Bytes of the packed form of an [N, K] weight of type qt (0: unknown type or K not whole units).
 int64_t packed_bytes(int qt, int64_t N, int64_t K) {
   if (unit_bytes(qt) == 0 || N <= 0 || K <= 0 || K % unit_weights(qt)) return 0;
@@ -520,6 +583,27 @@ int pagedserve_quant_unpack(int qt, const uint8_t* packed, uint8_t* dst, int64_t
   return 0;
 }
 
+// Rows ids[0..n) of a packed [N, K] weight of type qt as float32 out [n][K], exactly as dequantize
+// reads them (an embedding lookup: a decode step's few rows, not the groups around them).
+// Returns 0, or 1 for bad arguments (an id out of range included).
+int pagedserve_quant_rows(int qt, const uint8_t* packed, int64_t N, int64_t K, const int64_t* ids, int64_t n,
+                          float* out) {
+  if (packed_bytes(qt, N, K) == 0 || n < 0) return 1;
+  for (int64_t i = 0; i < n; ++i)
+    if (ids[i] < 0 || ids[i] >= N) return 1;
+  const int64_t units = K / unit_weights(qt), ub = unit_bytes(qt), uw = unit_weights(qt);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t g = ids[i] / G;
+    const int r = static_cast<int>(ids[i] % G);
+    uint8_t blk[256];
+    for (int64_t un = 0; un < units; ++un) {
+      unpack_block(qt, packed + (g * units + un) * ub, blk, r);
+      dequant_block(qt, blk, out + i * K + un * uw);
+    }
+  }
+  return 0;
+}
+
 // The activation quantization the product uses (exposed for the tests): x [M][K] (dtype 0 f32, 1 bf16), K % 32 == 0.
 int pagedserve_quant_act(int dtype, const void* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   if (M < 1 || K <= 0 || K % 32) return 1;
@@ -529,12 +613,20 @@ int pagedserve_quant_act(int dtype, const void* x, int64_t M, int64_t K, int8_t*
   return 0;
 }
 
-// y [M][N] = x [M][K] . W^T (+ bias [N] or null), x / bias / y of dtype (0 f32, 1 bf16), W packed.
+// y [M][sum rows] = x [M][K] . [W_0; W_1; ...]^T (+ bias [sum rows] or null): up to 4 parts side by
+// side, part p of type qtypes[p] with rows[p] output rows (q/k/v of different types, as Q4_K_M mixes
+// them), each written into its columns of y, x quantized once. x / bias / y of dtype (0 f32, 1 bf16).
 // Returns 0; 1 bad arguments; 2 bad dtype; 3 this CPU has no AVX512-VNNI (the caller dequantizes).
-int pagedserve_quant_linear(int qt, int dtype, const void* x, const uint8_t* packed, const void* bias, void* y,
-                            int64_t M, int64_t N, int64_t K) {
+int pagedserve_quant_linear_parts(int dtype, const void* x, const void* bias, void* y, int64_t M, int64_t K,
+                                  int parts, const int32_t* qtypes, const uint8_t* const* packed,
+                                  const int64_t* rows) {
   if (!HAVE_VNNI) return 3;
-  if (packed_bytes(qt, N, K) == 0 || M < 1) return 1;
+  if (M < 1 || parts < 1 || parts > 4) return 1;
+  int64_t N = 0;
+  for (int p = 0; p < parts; ++p) {
+    if (packed[p] == nullptr || packed_bytes(qtypes[p], rows[p], K) == 0) return 1;
+    N += rows[p];
+  }
   if (dtype != 0 && dtype != 1) return 2;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   static thread_local std::vector<int8_t> q;
@@ -544,10 +636,26 @@ int pagedserve_quant_linear(int qt, int dtype, const void* x, const uint8_t* pac
   s.resize(M * K / 16);
   pagedserve_quant_act(dtype, x, M, K, q.data(), d.data(), s.data());
   const Act a{q.data(), d.data(), s.data(), K};
-  if (dtype == 0) dispatch(qt, a, packed, static_cast<const float*>(bias), static_cast<float*>(y), M, N);
-  else dispatch(qt, a, packed, static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), M, N);
+  int64_t off = 0;
+  for (int p = 0; p < parts; off += rows[p], ++p) {
+    if (dtype == 0)
+      dispatch(qtypes[p], a, packed[p], bias ? static_cast<const float*>(bias) + off : nullptr,
+               static_cast<float*>(y) + off, M, rows[p], N);
+    else
+      dispatch(qtypes[p], a, packed[p], bias ? static_cast<const uint16_t*>(bias) + off : nullptr,
+               static_cast<uint16_t*>(y) + off, M, rows[p], N);
+  }
 #endif
   return 0;
+}
+
+// pagedserve_quant_linear_parts with one part: y [M][N] = x [M][K] . W^T (+ bias [N] or null).
+int pagedserve_quant_linear(int qt, int dtype, const void* x, const uint8_t* packed, const void* bias, void* y,
+                            int64_t M, int64_t N, int64_t K) {
+  const int32_t qtypes[1] = {qt};
+  const uint8_t* parts[1] = {packed};
+  const int64_t rows[1] = {N};
+  return pagedserve_quant_linear_parts(dtype, x, bias, y, M, K, 1, qtypes, parts, rows);
 }
 
 }  // extern "C"

@@ -3,7 +3,9 @@ CPU kernel library by ``cpu_build``).
 
 ``repack`` turns a weight's blocks into the kernel's groups of 16 rows (the
 same bytes reordered; Q4_K's 6-bit scales unpacked, +2.8 %); ``linear``
-quantizes the activations per 32 to int8 and runs the VNNI dot products.
+quantizes the activations per 32 to int8 and runs the VNNI dot products;
+``linear_parts`` does so for weights side by side (q/k/v of different types),
+quantizing x once, as the compiled decoder stack (``cpu_model.cpp``) does.
 Both return None where the library cannot run them (not built, no
 AVX512-VNNI, another device or dtype), and ``quant.py`` dequantizes instead.
 
@@ -17,6 +19,8 @@ row, 1.52x at 8, 1.11x at 64; the 1B shape 1.59x, 1.30x, 1.33x.
 from __future__ import annotations
 
 import torch
+
+import ctypes
 
 from pagedserve.kernels import cpu_build
 
@@ -111,3 +115,76 @@ def linear(x: torch.Tensor, packed: torch.Tensor, code: int, n: int, k: int,
     if rc != 0:
         raise ValueError(f"quant_linear type {code} ({n}, {k}) x {tuple(x.shape)}: bad arguments (code {rc})")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+class Parts:
+    """Weights side by side for ``linear_parts`` (and the compiled stack's ``Linear``): their packed
+    forms (kept alive here), ggml type codes and output rows, as the C arrays, built once per layer."""
+
+    def __init__(self, packed: list[torch.Tensor], codes: list[int], rows: list[int], k: int) -> None:
+        if not 1 <= len(packed) <= 4 or not len(packed) == len(codes) == len(rows):
+            raise ValueError(f"linear_parts: 1 to 4 parts, got {len(packed)}")
+        self.packed, self.codes, self.rows, self.k, self.n = packed, codes, rows, k, sum(rows)
+        count = len(packed)
+        self.c_packed = (ctypes.c_void_p * count)(*[p.data_ptr() for p in packed])
+        self.c_codes = (ctypes.c_int32 * count)(*codes)
+        self.c_rows = (ctypes.c_int64 * count)(*rows)
+
+
+_PARTS_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+               ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+
+
+def linear_parts(x: torch.Tensor, parts: Parts, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [..., k] @ [W_0; W_1; ...].T (+ bias): the parts' outputs side by side, x quantized once;
+    None: not run here."""
+    dtype = _DTYPES.get(x.dtype)
+    if dtype is None or x.device.type != "cpu":
+        return None
+    lib = cpu_build.load()
+    if lib is None:
+        return None
+    fn = lib.pagedserve_quant_linear_parts
+    if fn.argtypes is None:  # declared here: cpu_build's table lists the library's older entries
+        fn.argtypes, fn.restype = _PARTS_ARGS, ctypes.c_int
+    k, n = parts.k, parts.n
+    if x.shape[-1] != k:
+        raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight {k}")
+    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    if x2.shape[0] == 0:
+        return None
+    if bias is not None:
+        if bias.shape != (n,):
+            raise ValueError(f"quant_linear: bias of shape {tuple(bias.shape)} for {n} outputs")
+        bias = bias.to(x.dtype).contiguous()
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype)
+    rc = fn(dtype, x2.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), x2.shape[0], k,
+            len(parts.packed), ctypes.addressof(parts.c_codes), ctypes.addressof(parts.c_packed),
+            ctypes.addressof(parts.c_rows))
+    if rc == NO_VNNI:
+        return None
+    if rc != 0:
+        raise ValueError(f"quant_linear types {parts.codes} rows {parts.rows} x {tuple(x.shape)}: "
+                         f"bad arguments (code {rc})")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+_ROWS_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+              ctypes.c_void_p]
+
+
+def rows(packed: torch.Tensor, code: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor | None:
+    """Rows ``ids`` (1-D) of the packed [n, k] weight dequantized, float32 [len(ids), k], exactly
+    as ``quant.dequantize``; None without the library."""
+    lib = cpu_build.load()
+    if lib is None:
+        return None
+    fn = lib.pagedserve_quant_rows
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _ROWS_ARGS, ctypes.c_int
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty((ids.numel(), k), dtype=torch.float32)
+    rc = fn(code, packed.data_ptr(), n, k, ids.data_ptr(), ids.numel(), out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"quant rows of ({n}, {k}): bad arguments or an id out of range (code {rc})")
+    return out

@@ -175,3 +175,50 @@ def test_int8_per_channel_weights_run_as_q8_0() -> None:
     assert ((quant_linear(x, prepare(w)).double() - ref_q).abs() <= 1e-5 * scale_sum + 1e-7).all()
     with pytest.raises(ValueError, match="fp16"):
         from_int8_per_channel(q, torch.full((21,), 1e-9))
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_1"), ("Q5_0",)])
+@pytest.mark.parametrize("m", [1, 5, 19])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_parts_side_by_side_equal_float64_and_each_part(types: tuple[str, ...], m: int, dtype: torch.dtype) -> None:
+    """Weights of different types in one call (q/k/v of Q4_K_M; what the fused stack runs):
+    float64 of the dequantized product with x as quantized, and bit for bit each part alone
+    with its slice of the bias, written into its own columns."""
+    from pagedserve.kernels.quant import packed_parts, quant_linear_parts
+
+    k = 256 * 2 if any(t.endswith("_K") for t in types) else 32 * 7
+    rows = [37, 16, 21][: len(types)]  # cut groups, and a whole one
+    ws = [prepare(make_weight(t, n, k, seed=10 * m + i)) for i, (t, n) in enumerate(zip(types, rows))]
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, k, generator=g) * torch.rand(k, generator=g) * 4).to(dtype)
+    bias = torch.randn(sum(rows), generator=g).to(dtype)
+    parts = packed_parts(ws)
+    assert parts is not None
+    y = quant_linear_parts(x, ws, bias, parts)
+    assert y.shape == (m, sum(rows)) and y.dtype == dtype
+    offs = [0, rows[0], rows[0] + (rows[1] if len(rows) > 1 else 0)]
+    alone = torch.cat([quant_linear(x, w, bias[o : o + w.shape[0]]) for w, o in zip(ws, offs)], dim=1)
+    assert torch.equal(y, alone)
+    ref_q = torch.cat([_references(w, x)[0] for w in ws], dim=1)
+    scale = torch.cat([x.double().abs() @ dequantize(w).double().abs().T for w in ws], dim=1)
+    out_tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    got = y.double() - bias.double()
+    assert ((got - ref_q).abs() <= 1e-5 * scale + out_tol * y.double().abs() + 1e-6).all()
+    assert packed_parts([*ws[:1], make_weight(types[0], 16, k, seed=0)]) is None  # one not repacked
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows_of_the_packed_form_dequantize_exactly(qtype: str) -> None:
+    """An embedding lookup over the packed weight (a decode step's few rows, in one call) is
+    exactly ``dequantize``'s rows (which gguf-py's dequantizers hold), cut last group included."""
+    from pagedserve.gpuworker.gguf_weights import embedding_rows
+
+    k = GGML_QUANT_TYPES[qtype].block_size * 2
+    w = make_weight(qtype, 37, k, seed=8)
+    full = dequantize(w)
+    prepare(w, keep_blocks=False)
+    ids = torch.tensor([36, 0, 17, 17, 5, 32])
+    assert torch.equal(quant_cpu.rows(w.packed, w.quant.code, 37, k, ids), full[ids])
+    assert torch.equal(embedding_rows(w, ids), full[ids])
+    with pytest.raises(ValueError, match="out of range"):
+        quant_cpu.rows(w.packed, w.quant.code, 37, k, torch.tensor([37]))
