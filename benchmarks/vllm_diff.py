@@ -257,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--kv-cache-memory", default="512MiB", help="pagedserve's KV cache")
     p.add_argument("--only", default=None, help="only these categories (comma-separated)")
+    p.add_argument("--results", type=Path, default=None,
+                   help="also write the summary and every difference found, without the raw answers (docs/results/)")
     args = p.parse_args(argv)
     from pagedserve.common.default_model import resolve_model
 
@@ -274,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ours = json.loads((args.out / "pagedserve.json").read_text())
     summary = summarize(cases, ref, ours, model_dir)
     (args.out / "diff.json").write_text(json.dumps(summary, indent=1))
+    if args.results:
+        args.results.write_text(json.dumps(compact(summary), indent=1) + "\n")
     print(table(summary["rows"]))
     for kind, n in summary["per_kind"].items():
         print(f"vllm-diff: {kind}: {n['listed']} listed, {n['unlisted']} unlisted")
@@ -288,13 +292,30 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if summary["unlisted"] else 0
 
 
+def _cpu() -> str:
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def compact(summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary with each difference (request, kind, detail, the docs/api.md reason that lists it, or
+    null: unlisted) instead of the per-request rows."""
+    table = accepted.load()
+    found = [{"request": r["name"], "kind": m[0], "detail": m[1],
+              "listed": None if m[2] is None else table[m[2]].reason} for r in summary["rows"] for m in r["mismatches"]]
+    return {**{k: v for k, v in summary.items() if k != "rows"}, "differences": found}
+
+
 def summarize(cases: list[Case], ref: dict[str, Any], ours: dict[str, Any], model: str) -> dict[str, Any]:
     """The whole comparison, judged against docs/api.md's table: what diff.json holds."""
     rows, made = diff(cases, ref, ours)
     verdict = accepted.judge(rows, accepted.load())
     reqs = [r for r in rows if r["cat"] != AFTER_LOAD]
-    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.machine(),
-            "cpus": len(os.sched_getaffinity(0)), "model": model,
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{_cpu()} ({platform.machine()})", "cpus": len(os.sched_getaffinity(0)), "model": model,
             "baseline": "vLLM 0.32 CPU api_server (.venv-peers), the same requests, one server at a time",
             "requests": len(reqs), "matches": sum(not r["mismatches"] for r in reqs),
             "all_listed": sum(map(_ok, reqs)), "comparisons": dict(made),
