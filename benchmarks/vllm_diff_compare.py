@@ -51,7 +51,8 @@ def _new_choice(index: int) -> dict[str, Any]:
 
 def normalize(route_is_chat: bool, status: int, body: Any, chunks: list[dict[str, Any]] | None) -> dict[str, Any]:
     """The comparable outcome: status, choices (text, ids, finish_reason,
-    tool_calls, logprobs, prompt ids/logprobs), usage, stream usage pattern."""
+    tool_calls, logprobs, prompt ids), usage, stream usage pattern. (The
+    prompt_logprobs, ranks included, are vllm_diff_bodies' to compare.)"""
     out: dict[str, Any] = {"status": status, "choices": [], "usage": None, "prompt_token_ids": None,
                            "prompt_logprobs": None, "chunks_with_usage": None}
     if status != 200:
@@ -130,13 +131,6 @@ def _logprobs_differ(a: list[Any], b: list[Any]) -> str | None:
     return None
 
 
-def _prompt_lp(p: Any) -> list[dict[str, float]] | None:
-    """vLLM's prompt_logprobs ([None, {id: {logprob, ...}}, ...]) as [{id: logprob}]."""
-    if not isinstance(p, list):
-        return None
-    return [{str(k): (v.get("logprob") if isinstance(v, dict) else v) for k, v in (e or {}).items()} for e in p]
-
-
 def compare(case: Case, a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, str]]:
     """(kind, detail) for each way ``b`` (pagedserve) differs from ``a`` (vLLM); [] is a match."""
     if a["status"] != b["status"]:
@@ -183,23 +177,5 @@ def compare(case: Case, a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str,
             why = _logprobs_differ(ca["logprobs"], cb["logprobs"])
             if why:
                 out.append(("logprobs", f"choice {i}: {why}"))
-        pla = _prompt_lp(ca["prompt_logprobs"]) or _prompt_lp(a["prompt_logprobs"])
-        plb = _prompt_lp(cb["prompt_logprobs"]) or _prompt_lp(b["prompt_logprobs"])
-        if (pla is None) != (plb is None):
-            out.append(("prompt_logprobs", f"present: vllm {pla is not None}, pagedserve {plb is not None}"))
-        elif pla is not None and plb is not None:
-            why = _prompt_lp_differ(pla, plb)
-            if why:
-                out.append(("prompt_logprobs", why))
     return out
 
-
-def _prompt_lp_differ(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> str | None:
-    if len(a) != len(b):
-        return f"{len(a)} vs {len(b)} positions"
-    for i, (x, y) in enumerate(zip(a, b)):
-        if set(x) != set(y):
-            return f"position {i}: ids {sorted(x)} vs {sorted(y)}"
-        if any(x[k] is not None and y[k] is not None and abs(x[k] - y[k]) > LOGPROB_ATOL for k in x):
-            return f"position {i}: logprob off by more than {LOGPROB_ATOL}"
-    return None

@@ -34,6 +34,8 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 VLLM = "vllm:"
 REFRESH_TIMEOUT_S = 1.0
 ENGINE_INDEX = "0"  # one engine (scheduler) behind this frontend
+# The engine counters' `_created` sample, as prometheus_client's own counters (and vLLM's) carry one.
+_COUNTERS_CREATED = time.time()
 CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")  # vLLM's CacheHitSource
 # Our admission refusal (generation.py's reason) under vLLM's admission_rejections reasons.
 ADMISSION_REASONS = {"max_num_queued_reqs": "queue_full", "max_num_queued_tokens": None}
@@ -156,7 +158,7 @@ class _EngineSeries:
     def _counter(self, name: str, doc: str, values: dict[str, float], label: str | None = None) -> Metric:
         c = CounterMetricFamily(VLLM + name, doc, labels=[*self._labels, *([label] if label else [])])
         for key, v in values.items():
-            c.add_metric([*self._labels.values(), *([key] if label else [])], v)
+            c.add_metric([*self._labels.values(), *([key] if label else [])], v, created=_COUNTERS_CREATED)
         return c
 
     def collect(self) -> Iterator[Metric]:

@@ -106,14 +106,13 @@ class _Prompt:
             out = [] if self.echo_only else list(c.logprobs)
             entries = [*(self.prompt_entries() if echo else []), *out]
             ch["logprobs"] = completion_logprobs(self.gw, entries, x.return_tokens_as_token_ids, offset,
-                                                 self._context.setdefault(index, []))
+                                                 self._context.setdefault(index, []), x.logprobs)
             lp = ch["logprobs"]
             if lp["tokens"]:
                 offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
-        if first and (echo or x.return_token_ids):
-            ch["prompt_token_ids"] = self.stream.req.prompt_ids
-        if x.return_token_ids:
-            ch["token_ids"] = c.token_ids
+        # Both keys on every choice, null where unset, as vLLM's stream chunks carry them.
+        ch["prompt_token_ids"] = self.stream.req.prompt_ids if first and (echo or x.return_token_ids) else None
+        ch["token_ids"] = c.token_ids if x.return_token_ids else None
         return ch, offset
 
 

@@ -230,7 +230,9 @@ class Gateway:
             prepared = await self.svc.prepare_async(req, add_special_tokens, options)
             return with_sampler_extras(prepared, options, self._encode)
         except ValidationError as e:
-            raise ApiError(400, str(e), param=_openai_param(e.field)) from None
+            # vLLM names a prompt with no room left in max_model_len `input_tokens` (its context check).
+            param = "input_tokens" if "leaves no room to generate" in str(e) else _openai_param(e.field)
+            raise ApiError(400, str(e), param=param) from None
 
     async def open_stream(self, request: web.Request, prepared: Any) -> RequestStream:
         try:  # a stop token's text and stop_reason as vLLM's (stop_tokens)

@@ -122,13 +122,15 @@ def with_vllm_nulls(body: dict[str, Any], chat: bool) -> dict[str, Any]:
 
 
 def completion_logprobs(gw: GatewayApi, entries: list[tuple[int, Logprob | None]], as_id: bool,
-                        offset: int = 0, context: list[int] | None = None) -> dict[str, Any]:
+                        offset: int = 0, context: list[int] | None = None, k: int = -1) -> dict[str, Any]:
     """OpenAI's legacy logprobs as vLLM writes them: an entry without a logprob (the
     first prompt token) is null; ``top_logprobs`` holds the chosen token and the
     top ones (logprobs=k: up to k+1 entries, k=0 the chosen one alone).
     ``text_offset`` runs over the token strings from ``offset``. Token strings
     are vLLM's (``decoded_token``) with the entries before as context, after
-    ``context`` (a stream's earlier chunks), which this call extends."""
+    ``context`` (a stream's earlier chunks), which this call extends. ``k``
+    (the request's logprobs; -1 all): at most k+1 entries, as vLLM cuts an
+    echoed prompt position whose prompt_logprobs asked for more."""
     tokens, lps, tops, offsets = [], [], [], []
     context = [] if context is None else context
     for tok, e in entries:
@@ -139,6 +141,7 @@ def completion_logprobs(gw: GatewayApi, entries: list[tuple[int, Logprob | None]
             tops.append(None)
         else:
             pairs = _with_chosen(tok, e)
+            pairs = pairs if k < 0 else pairs[:k + 1]
             names = _strings(gw, [t for t, _ in pairs], as_id, context)
             s = names[tok]
             tokens.append(s)
@@ -241,7 +244,7 @@ async def chat_stream(request: web.Request, stream: RequestStream, ctx: Ctx, cho
     def chunk(choices: list[dict[str, Any]], completion: int | None = None, **top: Any) -> dict[str, Any]:
         out = {"id": ctx.id, "object": obj, "created": ctx.created, "model": ctx.model, "choices": choices, **top}
         if x is not None and x.continuous_usage and completion is not None:
-            out["usage"] = usage(n_prompt, completion)
+            out["usage"] = {**usage(n_prompt, completion), "completion_tokens_details": None}  # as vLLM's chunks
         return out
 
     batch = SseBatch()  # the events of one step in one write
@@ -250,11 +253,10 @@ async def chat_stream(request: web.Request, stream: RequestStream, ctx: Ctx, cho
         while (chunks := await stream.next()) is not None:
             if first:  # vLLM: the role alone first, for every choice, then the echoed message
                 first = False
-                top: dict[str, Any] = {}
-                if x is not None and x.return_token_ids:
-                    top["prompt_token_ids"] = stream.req.prompt_ids
-                if x is not None and x.return_prompt_text:
-                    top["prompt_text"] = ctx.prompt_text
+                # vLLM's first chunk carries both, null where not asked for.
+                top: dict[str, Any] = {
+                    "prompt_token_ids": stream.req.prompt_ids if x is not None and x.return_token_ids else None,
+                    "prompt_text": ctx.prompt_text if x is not None and x.return_prompt_text else None}
                 for i in range(ctx.n):
                     batch.add(chunk([{"index": i, "delta": {"role": ctx.role, "content": ""},
                                             "logprobs": None, "finish_reason": None}], 0, **top))
@@ -271,8 +273,7 @@ async def chat_stream(request: web.Request, stream: RequestStream, ctx: Ctx, cho
                 delta = ch.get("delta")
                 if isinstance(delta, dict):
                     delta.pop("role", None)  # sent in the role chunk
-                if x is not None and x.return_token_ids:
-                    ch["token_ids"] = c.token_ids
+                ch["token_ids"] = c.token_ids if x is not None and x.return_token_ids else None  # null: vLLM's
                 if c.finish_reason is not None:
                     ch.setdefault("stop_reason", c.stop_reason)
                 batch.add(chunk([ch], counts[c.index] if c.index < len(counts) else None))
