@@ -104,6 +104,9 @@ class _Observed(FIFOMixin, RequestRouter):
             hit = self.hit(r, _hashes(pending_request)) if r is not None else 0
         observe.ROUTED.labels(reason).inc()
         observe.HIT_BLOCKS.observe(hit)
+        hs = _hashes(pending_request)
+        observe.trace({"ev": "routed", "h0": hs[0] if hs else None, "n": len(hs), "replica": replica_id.unique_id,
+                       "reason": reason, "hit": hit})
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -152,12 +155,21 @@ class KVAffinityRouter(_Observed):
             if got > 0 and self._load(best) <= self._load(by_load[0]) + self.imbalance:
                 self._remember(best.replica_id, hashes)
                 self._decide(pending_request, "prefix_hit", [best], got)
+                self._trace_view(candidates, hashes, [best])
                 return [[best], [r for r in by_load if r is not best]]
             reason = "fallback" if got > 0 else reason
         least = self._load(by_load[0])
         first = [r for r in by_load if self._load(r) == least]
         self._decide(pending_request, reason, first)
+        self._trace_view(candidates, hashes, first)
         return [first, by_load]
+
+    def _trace_view(self, candidates: list[RunningReplica], hashes: list[int], first: list[RunningReplica]) -> None:
+        observe.trace({"ev": "choose", "h0": hashes[0] if hashes else None, "n": len(hashes),
+                       "first": [r.replica_id.unique_id for r in first],
+                       "view": {r.replica_id.unique_id: [self._load(r), (r.routing_stats or {}).get("in_flight"),
+                                                         self._routed.get(r.replica_id, 0), self.match(r, hashes)]
+                                for r in candidates}})
 
     def _remember(self, replica_id: ReplicaID, hashes: list[int]) -> None:
         recent = self._recent.setdefault(replica_id, {})
