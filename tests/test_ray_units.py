@@ -8,6 +8,7 @@ import json
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.rayserve.affinity import SPECULATIVE_TTL_S, Affinity
 from pagedserve.rayserve.observe import _label
 from pagedserve.rayserve.resume import StreamState
 
@@ -81,3 +82,105 @@ def test_what_a_continuation_would_change_is_not_resumed() -> None:
     done.events(b"data: [DONE]\n\n")
     assert not done.resumable()
     assert StreamState("/v1/chat/completions", json.dumps(base).encode()).resumable()
+
+
+# ---------------------------------------------------------------- the KV-aware choice (affinity.py), without Ray
+def _prompt(user: int, blocks: int) -> list[int]:
+    """A user's prompt as block hashes: its turns share their leading blocks."""
+    return [user * 1000 + i for i in range(blocks)]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _three(cached: dict[str, set[int]] | None = None) -> list[tuple[str, set[int]]]:
+    return [(r, (cached or {}).get(r, set())) for r in ("a", "b", "c")]
+
+
+def test_a_burst_of_cold_prompts_is_spread_by_the_prefill_waiting_not_by_report_timing() -> None:
+    aff = Affinity(clock=_Clock())
+    sizes = [60, 40, 40, 50, 38, 63, 45, 55, 41]  # blocks of 9 first turns, all at once, nothing cached
+    got = [aff.choose(_three(), _prompt(u, n), key=f"r{u}") for u, n in enumerate(sizes)]
+    # Each goes where the fewest blocks wait (2 more per request in flight), ties by id: a 62, b 42, c 42,
+    # b 94 (the tie with c), c 82, a 127, c 129, b 151, a 170
+    assert [c.ranked[0] for c in got] == ["a", "b", "c", "b", "c", "a", "c", "b", "a"]
+    assert all(c.reason == "least_loaded" and c.hit == 0 for c in got)
+    assert {r: aff.load(r) for r in "abc"} == {"a": (170, 3), "b": (151, 3), "c": (129, 3)}
+    assert got[-1].costs == {"a": 127 + 41, "b": 151 + 41, "c": 129 + 41}
+    # A stats report from a (it now caches its first prompt) does not reset what is in flight there
+    nxt = aff.choose(_three({"a": set(_prompt(0, 60))}), _prompt(20, 50), key="r20")
+    assert (nxt.ranked, nxt.reason) == (["c", "b", "a"], "least_loaded") and aff.load("a") == (170, 3)
+
+
+def test_a_later_turn_goes_back_to_its_prefix_unless_that_replica_is_busier_than_recomputing() -> None:
+    aff = Affinity(clock=_Clock())
+    cached = {"a": set(_prompt(1, 50)), "b": set(_prompt(2, 40))}
+    aff.routed("cold", "c", _prompt(3, 30), set())  # c: 30 blocks to prefill, +2
+    turn2 = aff.choose(_three(cached), _prompt(1, 53), key="u1t2")  # 50 of its 53 blocks cached on a
+    assert (turn2.ranked, turn2.reason, turn2.hit) == (["a", "b", "c"], "prefix_hit", 50)
+    assert turn2.costs == {"a": 3, "b": 53, "c": 32 + 53}
+    for k in ("cold", "u1t2"):
+        aff.finished(k)
+    aff.routed("y", "a", _prompt(6, 30), set())  # now a has a cold prompt of 30 blocks waiting
+    long_hit = aff.choose(_three(cached), _prompt(1, 55), key="u1t3")  # 53 held (50 reported, 3 just sent)
+    assert (long_hit.ranked, long_hit.reason, long_hit.hit) == (["a", "b", "c"], "prefix_hit", 53)
+    assert long_hit.costs == {"a": 32 + 2, "b": 55, "c": 55}
+    aff.finished("u1t3")
+    short = {"a": set(_prompt(8, 5)) | set(_prompt(9, 5))}
+    short_hit = aff.choose(_three(short), _prompt(8, 50), key="u8")  # 5 blocks held: less than a's queue
+    assert (short_hit.ranked, short_hit.reason, short_hit.hit) == (["b", "c", "a"], "fallback", 0)
+    assert short_hit.costs == {"a": 32 + 45, "b": 50, "c": 50}
+    aff.finished("y")
+    idle = aff.choose(_three(short), _prompt(9, 50), key="u9")  # a idle again: the same short hit wins
+    assert (idle.ranked[0], idle.reason, idle.hit) == ("a", "prefix_hit", 5)
+
+
+def test_in_flight_counts_from_the_choice_until_the_response_ends() -> None:
+    aff = Affinity(clock=_Clock())
+    first = aff.choose(_three(), _prompt(1, 10), key="k1")
+    assert first.ranked[0] == "a" and aff.load("a") == (12, 1)
+    aff.routed("k1", "b", _prompt(1, 10), set())  # Serve took the next: a was full
+    assert aff.load("a") == (0, 0) and aff.load("b") == (12, 1)
+    assert aff.choose(_three(), _prompt(2, 10), key="k2").ranked[0] == "a"
+    aff.finished("k1")
+    assert aff.load("b") == (0, 0)
+    assert aff.choose(_three(), _prompt(3, 10), key="k3").ranked[0] == "b"
+    aff.forget("a")  # a died: its requests go elsewhere (routed again)
+    assert aff.load("a") == (0, 0) and set(aff.flights) == {"k3"}
+    again = aff.choose(_three(), _prompt(3, 10), key="k3")  # Serve asks again for the same request:
+    # its first try no longer counts (else b would cost 12, more than a's 10), its blocks do (just sent to b)
+    assert (again.ranked[0], again.reason, again.costs) == ("b", "prefix_hit", {"a": 10, "b": 0, "c": 10})
+    assert set(aff.flights) == {"k3"} and aff.load("b") == (2, 1)
+
+
+def test_a_just_routed_prompt_counts_as_cached_for_a_while() -> None:
+    clock = _Clock()
+    aff = Affinity(clock=clock)
+    aff.choose(_three(), _prompt(1, 20), key="t1")
+    aff.finished("t1")
+    clock.t += SPECULATIVE_TTL_S - 0.1
+    hit = aff.choose(_three(), _prompt(1, 22), key="t2")
+    assert (hit.ranked[0], hit.reason, hit.hit) == ("a", "prefix_hit", 20)
+    aff.finished("t2")
+    clock.t += SPECULATIVE_TTL_S + 0.1  # no report showed it since: the speculation lapses
+    late = aff.choose(_three(), _prompt(1, 24), key="t3")
+    assert (late.ranked[0], late.reason, late.hit) == ("a", "least_loaded", 0)
+    assert late.costs == {"a": 24, "b": 24, "c": 24}
+
+
+def test_a_replica_far_over_the_least_busy_in_requests_loses_even_a_full_hit() -> None:
+    clock = _Clock()
+    aff = Affinity(imbalance=2, decode_blocks=0, clock=clock)
+    cached = {"a": set(_prompt(1, 40))}
+    for i in range(3):
+        aff.routed(f"h{i}", "a", [9000 + i], {9000 + i})  # three requests on a, all cached: no prefill
+    assert aff.choose(_three(cached), _prompt(1, 41), key="u").ranked == ["b", "c", "a"]
+    aff.finished("u")
+    clock.t += SPECULATIVE_TTL_S + 1  # b no longer counts as holding it (no report said so)
+    aff.finished("h0")  # two over the least busy: within the bound
+    assert aff.choose(_three(cached), _prompt(1, 41), key="u").ranked[0] == "a"
