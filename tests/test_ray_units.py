@@ -112,9 +112,10 @@ def test_a_burst_of_cold_prompts_is_spread_by_the_prefill_waiting_not_by_report_
     assert all(c.reason == "least_loaded" and c.hit == 0 for c in got)
     assert {r: aff.load(r) for r in "abc"} == {"a": (170, 3), "b": (151, 3), "c": (129, 3)}
     assert got[-1].costs == {"a": 127 + 41, "b": 151 + 41, "c": 129 + 41}
-    # A stats report from a (it now caches its first prompt) does not reset what is in flight there
+    # A stats report from a, showing its first prompt computed: that prefill leaves a's queue, its requests stay
     nxt = aff.choose(_three({"a": set(_prompt(0, 60))}), _prompt(20, 50), key="r20")
-    assert (nxt.ranked, nxt.reason) == (["c", "b", "a"], "least_loaded") and aff.load("a") == (170, 3)
+    assert (nxt.ranked, nxt.reason, nxt.costs) == (["a", "c", "b"], "least_loaded", {"a": 160, "b": 201, "c": 179})
+    assert aff.load("a") == (110 + 52, 4)
 
 
 def test_a_later_turn_goes_back_to_its_prefix_unless_that_replica_is_busier_than_recomputing() -> None:
@@ -138,6 +139,18 @@ def test_a_later_turn_goes_back_to_its_prefix_unless_that_replica_is_busier_than
     aff.finished("y")
     idle = aff.choose(_three(short), _prompt(9, 50), key="u9")  # a idle again: the same short hit wins
     assert (idle.ranked[0], idle.reason, idle.hit) == ("a", "prefix_hit", 5)
+
+
+def test_a_prompt_s_prefill_leaves_the_queue_as_its_replica_reports_its_blocks_computed() -> None:
+    aff = Affinity(clock=_Clock())
+    for u in range(3):
+        aff.choose(_three(), _prompt(u, 60), key=f"u{u}")
+    assert {r: aff.load(r) for r in "abc"} == {"a": (62, 1), "b": (62, 1), "c": (62, 1)}
+    partly = _three({"b": set(_prompt(1, 45))})  # b computed 45 of its prompt's 60 blocks (chunked prefill)
+    assert aff.load("b", partly[1][1]) == (17, 1)
+    nxt = aff.choose(partly, _prompt(9, 40), key="u9")
+    assert (nxt.ranked, nxt.costs) == (["b", "a", "c"], {"a": 102, "b": 57, "c": 102})
+    assert aff.load("b") == (17 + 42, 2)
 
 
 def test_in_flight_counts_from_the_choice_until_the_response_ends() -> None:

@@ -3,9 +3,10 @@ in-process, without Ray).
 
 Load is counted here, exactly: each request this router sent, from its choice until its response ended
 (Serve's on_request_completed), per replica, as requests and as the prefill it brought there (its prompt
-blocks that replica did not hold). The replicas' own reports are not load: they lag by up to a stats
-period, and letting a report replace the count of what was sent since let a burst of cold first turns
-pile onto the replica that had reported last.
+blocks that replica did not hold), less the blocks the replica's reports have since shown cached (its
+engine stores a block's KV event once the block is computed: that prefill is done). The replicas'
+in-flight counts are not used: they lag by up to a stats period, and letting a report replace the count
+of what was sent since let a burst of cold first turns pile onto one replica.
 
 The choice minimises an estimate of the wait for the first token, in blocks of prefill: the work queued on
 the replica (the uncached blocks of its requests in flight, plus ``decode_blocks`` for each, the steps it
@@ -43,8 +44,13 @@ def match(cached: set[int], recent: dict[int, float], hashes: list[int], now: fl
 @dataclass
 class Flight:
     replica: str
-    miss_blocks: int  # the prefill it brought to its replica
+    pending: list[int]  # the blocks it brought to prefill there, until a report shows them computed
     at: float
+
+    def waiting(self, cached: set[int] | None) -> int:
+        if cached is not None and self.pending:
+            self.pending = [h for h in self.pending if h not in cached]
+        return len(self.pending)
 
 
 @dataclass
@@ -66,21 +72,22 @@ class Affinity:
         self._recent: dict[str, dict[int, float]] = {}  # replica -> hash -> routed at
 
     # ------------------------------------------------------------ load
-    def load(self, replica: str) -> tuple[int, int]:
-        """(prefill blocks queued there plus ``decode_blocks`` per request, requests) in flight."""
+    def load(self, replica: str, cached: set[int] | None = None) -> tuple[int, int]:
+        """(prefill blocks still to compute there plus ``decode_blocks`` per request, requests) in flight;
+        ``cached``: the replica's last report."""
         blocks = reqs = 0
         for f in self.flights.values():
             if f.replica == replica:
-                blocks += f.miss_blocks + self.decode_blocks
+                blocks += f.waiting(cached) + self.decode_blocks
                 reqs += 1
         return blocks, reqs
 
     def hit(self, replica: str, cached: set[int], hashes: list[int]) -> int:
         return match(cached, self._recent.get(replica, {}), hashes, self._clock())
 
-    def _send(self, key: str | None, replica: str, miss: int, hashes: list[int], now: float) -> None:
+    def _send(self, key: str | None, replica: str, hit: int, hashes: list[int], now: float) -> None:
         if key is not None:
-            self.flights[key] = Flight(replica, miss, now)
+            self.flights[key] = Flight(replica, hashes[hit:], now)
         if hashes:
             recent = self._recent.setdefault(replica, {})
             for h in hashes:
@@ -95,7 +102,7 @@ class Affinity:
         if f is not None and f.replica == replica:
             return
         now = self._clock()
-        self._send(key, replica, len(hashes) - match(cached, self._recent.get(replica, {}), hashes, now), hashes, now)
+        self._send(key, replica, match(cached, self._recent.get(replica, {}), hashes, now), hashes, now)
 
     def finished(self, key: str) -> None:
         self.flights.pop(key, None)
@@ -116,7 +123,7 @@ class Affinity:
         rows = []
         for rid, cached in replicas:
             got = match(cached, self._recent.get(rid, {}), hashes, now) if hashes else 0
-            blocks, reqs = self.load(rid)
+            blocks, reqs = self.load(rid, cached)
             rows.append((blocks + len(hashes) - got, -got, reqs, rid))
         if not rows:
             return Choice([], "least_loaded", 0)
@@ -125,5 +132,5 @@ class Affinity:
         cost, neg_hit, _, best = rows[0]
         longest = max(-r[1] for r in rows)
         reason = "least_loaded" if longest == 0 else "prefix_hit" if -neg_hit == longest else "fallback"
-        self._send(key, best, len(hashes) + neg_hit, hashes, now)
+        self._send(key, best, -neg_hit, hashes, now)
         return Choice([r[3] for r in rows], reason, -neg_hit, {r[3]: r[0] for r in rows})
