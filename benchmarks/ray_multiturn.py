@@ -17,7 +17,15 @@ counts are kept), lost requests (an error status, an error event, or no
 interleaved round by round, and the table is the median of the rounds. With
 ``--kill``, one more KV run in which a replica's actor is killed (ray.kill)
 once a third of the requests have finished: its TTFT p50 against the median of
-the undisturbed KV runs, and 0 lost (streams resume on another replica)."""
+the undisturbed KV runs, and 0 lost (streams resume on another replica).
+
+--out gets the machine, the date, the baseline, each run's figures with every
+request's record (user, turn, TTFT, and from the router's trace,
+$PAGEDSERVE_ROUTER_TRACE: its replica, why, its prefix hit, the router's costs
+then, and what the client had outstanding on that replica), the medians, and
+the verdicts computed from them: kv ahead on hit rate, TTFT p50, TTFT p99 and
+output tok/s (acceptance 2), and for --kill, 0 lost and p50 within 2x
+(acceptance 3)."""
 from __future__ import annotations
 
 import argparse

@@ -197,3 +197,31 @@ def test_a_replica_far_over_the_least_busy_in_requests_loses_even_a_full_hit() -
     clock.t += SPECULATIVE_TTL_S + 1  # b no longer counts as holding it (no report said so)
     aff.finished("h0")  # two over the least busy: within the bound
     assert aff.choose(_three(cached), _prompt(1, 41), key="u").ranked[0] == "a"
+
+
+def test_the_benchmark_s_verdicts_come_from_the_medians_of_its_runs() -> None:
+    from benchmarks.ray_multiturn import summarize
+
+    def run(router: str, hit: float, p50: float, p99: float, tok: float, lost: int = 0) -> dict[str, object]:
+        return {"router": router, "prefix_hit_rate": hit, "ttft_p50_s": p50, "ttft_p99_s": p99, "output_tok_s": tok,
+                "lost": ["x"] * lost}
+
+    runs = [run("kv", 0.7, 0.5, 20.6, 37.7), run("round-robin", 0.39, 4.0, 22.8, 17.8),
+            run("round-robin", 0.39, 3.4, 18.2, 19.3), run("kv", 0.72, 0.5, 18.4, 38.1),
+            run("kv", 0.68, 0.49, 20.5, 33.3), run("round-robin", 0.35, 4.3, 17.6, 20.5),
+            run("kv-kill", 0.6, 0.98, 33.0, 27.0)]
+    out = summarize(runs, ["kv", "round-robin"], kill=True)
+    assert out["median"]["kv"] == {"prefix_hit_rate": 0.7, "ttft_p50_s": 0.5, "ttft_p99_s": 20.5,
+                                   "output_tok_s": 37.7, "lost": 0}
+    assert out["median"]["round-robin"]["ttft_p99_s"] == 18.2
+    assert out["verdicts"] == {"kv_ahead_on_hit_rate": True, "kv_ahead_on_ttft_p50": True,
+                               "kv_ahead_on_ttft_p99": False, "kv_ahead_on_output_tok_s": True,
+                               "acceptance_2": False, "kill_lost_0": True, "kill_ttft_p50_within_2x": True,
+                               "acceptance_3": True}
+    assert out["kill"] == {"lost": 0, "ttft_p50_s": 0.98, "ttft_p50_vs_undisturbed": 1.96}
+    runs[1]["ttft_p99_s"] = runs[2]["ttft_p99_s"] = 21.0  # round-robin's median p99 now behind kv's
+    runs[-1].update(lost=["cut"], ttft_p50_s=1.2)
+    out = summarize(runs, ["kv", "round-robin"], kill=True)
+    assert out["verdicts"]["acceptance_2"] and out["verdicts"]["kv_ahead_on_ttft_p99"]
+    assert not out["verdicts"]["acceptance_3"] and not out["verdicts"]["kill_lost_0"]
+    assert out["kill"]["ttft_p50_vs_undisturbed"] == 2.4 and not out["verdicts"]["kill_ttft_p50_within_2x"]
