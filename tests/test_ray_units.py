@@ -8,7 +8,7 @@ import json
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.rayserve.affinity import SPECULATIVE_TTL_S, Affinity
+from pagedserve.rayserve.affinity import CHOSEN_TTL_S, SPECULATIVE_TTL_S, Affinity
 from pagedserve.rayserve.observe import _label
 from pagedserve.rayserve.resume import StreamState
 
@@ -169,6 +169,18 @@ def test_in_flight_counts_from_the_choice_until_the_response_ends() -> None:
     # its first try no longer counts (else b would cost 12, more than a's 10), its blocks do (just sent to b)
     assert (again.ranked[0], again.reason, again.costs) == ("b", "prefix_hit", {"a": 10, "b": 0, "c": 10})
     assert set(aff.flights) == {"k3"} and aff.load("b") == (2, 1)
+
+
+def test_a_choice_serve_never_sent_stops_counting_and_a_sent_one_counts_until_it_ends() -> None:
+    clock = _Clock()
+    aff = Affinity(clock=clock)
+    aff.choose(_three(), _prompt(1, 20), key="cancelled")  # a; its client left while Serve probed a
+    aff.choose(_three(), _prompt(2, 20), key="sent")  # b, confirmed below
+    aff.routed("sent", "b", _prompt(2, 20), set())
+    clock.t += CHOSEN_TTL_S + 1
+    nxt = aff.choose(_three(), _prompt(3, 20), key="next")
+    assert (nxt.ranked, nxt.costs) == (["a", "c", "b"], {"a": 20, "b": 42, "c": 20})
+    assert set(aff.flights) == {"sent", "next"}
 
 
 def test_a_just_routed_prompt_counts_as_cached_for_a_while() -> None:

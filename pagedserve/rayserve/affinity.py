@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 SPECULATIVE_TTL_S = 5.0  # a prompt just routed counts as cached there until the replica's report shows it
 FLIGHT_TTL_S = 1800.0  # a request whose end was never reported is dropped (a bound; Serve reports every end)
+CHOSEN_TTL_S = 30.0  # a choice Serve never confirmed (the request was cancelled while Serve probed the replica)
 DECODE_BLOCKS = 2  # a request in flight slows each of its replica's steps: its weight, in blocks of prefill
 IMBALANCE = 8
 MAX_RECENT = 100_000
@@ -46,6 +47,7 @@ class Flight:
     replica: str
     pending: list[int]  # the blocks it brought to prefill there, until a report shows them computed
     at: float
+    sent: bool = False  # Serve confirmed it (on_request_routed): it stays until its response ends
 
     def waiting(self, cached: set[int] | None) -> int:
         if cached is not None and self.pending:
@@ -99,10 +101,10 @@ class Affinity:
     def routed(self, key: str, replica: str, hashes: list[int], cached: set[int]) -> None:
         """Where Serve sent it: the chosen replica, or the next when that one was full (then it moves)."""
         f = self.flights.get(key)
-        if f is not None and f.replica == replica:
-            return
-        now = self._clock()
-        self._send(key, replica, match(cached, self._recent.get(replica, {}), hashes, now), hashes, now)
+        if f is None or f.replica != replica:
+            now = self._clock()
+            self._send(key, replica, match(cached, self._recent.get(replica, {}), hashes, now), hashes, now)
+        self.flights[key].sent = True
 
     def finished(self, key: str) -> None:
         self.flights.pop(key, None)
@@ -118,7 +120,8 @@ class Affinity:
         """``replicas``: (id, its reported cached blocks) of those usable. The request (``key``) counts on the
         chosen one at once, and its blocks as cached there, so the next choice sees it."""
         now = self._clock()
-        for k in [k for k, f in self.flights.items() if now - f.at > FLIGHT_TTL_S or k == key]:
+        for k in [k for k, f in self.flights.items()
+                  if now - f.at > (FLIGHT_TTL_S if f.sent else CHOSEN_TTL_S) or k == key]:
             del self.flights[k]  # and this request's own, when Serve asks again (the chosen one was full)
         rows = []
         for rid, cached in replicas:
