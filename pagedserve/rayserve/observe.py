@@ -9,6 +9,8 @@ families (a registry of their own, in this process)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
 import time
 import weakref
@@ -35,6 +37,19 @@ UNROUTABLE = Counter("pagedserve_router_skipped_replicas", "Times a replica was 
 _routers: weakref.WeakSet[Any] = weakref.WeakSet()
 SCRAPE_TIMEOUT_S = 5.0
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{)?")
+
+
+TRACE_ENV = "PAGEDSERVE_ROUTER_TRACE"  # a file: each routing decision as a JSON line (benchmarks/ray_multiturn.py)
+
+
+def trace(event: dict[str, Any]) -> None:
+    """Appends one routing event (with this process's monotonic clock, the benchmark's too) where
+    $PAGEDSERVE_ROUTER_TRACE says; nothing when it is unset."""
+    path = os.environ.get(TRACE_ENV)
+    if not path:
+        return
+    with open(path, "a") as f:  # one write per line, O_APPEND: lines from several routers never interleave
+        f.write(json.dumps({"t": time.monotonic(), **event}) + "\n")
 
 
 def register(router: Any) -> None:

@@ -1,33 +1,40 @@
 """Ray Serve request routers (``RequestRouterConfig.request_router_class``).
 
-``KVAffinityRouter`` sends a request to the replica holding the longest
-cached prefix of its prompt: the ingress puts the prompt's block hashes in
-the request (vLLM's sha256_cbor, common/block_hash.py), and each replica
-reports the hashes its engine caches (from its KV events) as routing
-stats. Stats lag by up to a stats period, so the blocks of a request just
-routed are counted for its replica at once (what llm-d calls speculative
-indexing) until the next report. A replica whose load exceeds the least
-loaded one's by more than ``imbalance`` loses its affinity: the request goes
-to the least loaded (Ray then probes queue lengths among them).
+``KVAffinityRouter`` sends a request where it expects the first token
+soonest: the replica holding the longest cached prefix of its prompt, unless
+that replica is busier than recomputing the prompt elsewhere would cost
+(affinity.py, which also counts each replica's load: the requests this router
+sent there, from its choice until Serve reports the response ended). The
+ingress puts the prompt's block hashes in the request (vLLM's sha256_cbor,
+common/block_hash.py), and each replica reports the hashes its engine caches
+(from its KV events) as routing stats. Stats lag by up to a stats period, so
+the blocks of a request just routed count as cached on its replica at once
+(what llm-d calls speculative indexing). Each choice is a single replica,
+then the others in order of cost: Serve takes the next only when one is full.
 
 ``RoundRobinRouter``: the baseline, replicas in turn.
 
+Neither uses Serve's FIFOMixin: with it, the replica chosen for one request
+went to whichever request was first in the queue when the choice completed
+(the choices of a burst run concurrently, each waiting on a queue-length
+probe), so a prompt's prefix hit could be handed to another user's prompt.
 Both leave out a replica whose engine is down (its stats say so) or whose
 stats stopped changing for ``STALE_PERIODS`` stats periods (its actor died or
 hangs), unless no replica is left; Serve itself drops a replica at once when a
 call to it finds its actor dead. Both count their choices in observe.py's
-families (by reason, and the chosen replica's prefix hit in blocks)."""
+families (by reason, and the chosen replica's prefix hit in blocks), and with
+$PAGEDSERVE_ROUTER_TRACE set they write each choice there (observe.trace)."""
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedserve.rayserve import observe
+from pagedserve.rayserve.affinity import DECODE_BLOCKS, IMBALANCE, SPECULATIVE_TTL_S, Affinity
 
-SPECULATIVE_TTL_S = 5.0
+__all__ = ["KVAffinityRouter", "RoundRobinRouter", "SPECULATIVE_TTL_S"]
 # A replica whose stats have not changed for this long is left out (they change every period: a timestamp)
 STALE_PERIODS, STALE_MIN_S = 4, 3.0
 DEFAULT_PERIOD_S = 0.5
@@ -39,7 +46,7 @@ def _hashes(pending: PendingRequest | None) -> list[int]:
     return list(pending.args[0].get("block_hashes", ()))
 
 
-class _Observed(FIFOMixin, RequestRouter):
+class _Observed(RequestRouter):
     """Health filtering and the routing metrics both routers share."""
 
     def _setup(self, stats_period_s: float) -> None:
@@ -71,11 +78,7 @@ class _Observed(FIFOMixin, RequestRouter):
         if got is None or got[0] is not blocks:  # a new report (the list held, so its id is never reused)
             got = (blocks, set(blocks))
             self._sets[r.replica_id] = got
-            self._new_report(r.replica_id)
         return got[1]
-
-    def _new_report(self, replica_id: ReplicaID) -> None:
-        pass
 
     def hit(self, r: RunningReplica, hashes: list[int]) -> int:
         """Leading blocks of the prompt this replica reported holding."""
@@ -104,6 +107,10 @@ class _Observed(FIFOMixin, RequestRouter):
             hit = self.hit(r, _hashes(pending_request)) if r is not None else 0
         observe.ROUTED.labels(reason).inc()
         observe.HIT_BLOCKS.observe(hit)
+        hs = _hashes(pending_request)
+        observe.trace({"ev": "routed", "key": pending_request.metadata.internal_request_id,
+                       "h0": hs[0] if hs else None, "n": len(hs), "replica": replica_id.unique_id,
+                       "reason": reason, "hit": hit})
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -112,76 +119,50 @@ class _Observed(FIFOMixin, RequestRouter):
 
 
 class KVAffinityRouter(_Observed):
-    def initialize_state(self, imbalance: int = 8, stats_period_s: float = DEFAULT_PERIOD_S, **kwargs: Any) -> None:
+    def initialize_state(self, imbalance: int = IMBALANCE, stats_period_s: float = DEFAULT_PERIOD_S,
+                         decode_blocks: int = DECODE_BLOCKS, **kwargs: Any) -> None:
         self._setup(stats_period_s)
         self.imbalance = imbalance
-        self._recent: dict[ReplicaID, dict[int, float]] = {}  # replica -> hash -> routed at
-        self._routed: dict[ReplicaID, int] = {}  # requests routed here since its last stats report
-
-    def _new_report(self, replica_id: ReplicaID) -> None:
-        self._routed[replica_id] = 0  # the report counts them now
+        self.affinity = Affinity(imbalance, decode_blocks)
 
     def _load(self, r: RunningReplica) -> int:
-        stats = r.routing_stats or {}
-        return int(stats.get("in_flight", 0)) + self._routed.get(r.replica_id, 0)
+        """Requests in flight on the replica that this router sent (until their responses ended)."""
+        return self.affinity.load(r.replica_id.unique_id)[1]
 
     def match(self, r: RunningReplica, hashes: list[int]) -> int:
         """Leading blocks of the prompt this replica holds (or was just sent)."""
-        cached = self._cached(r)
-        recent = self._recent.get(r.replica_id, {})
-        now = time.monotonic()
-        n = 0
-        for h in hashes:
-            t = recent.get(h)
-            if h not in cached and (t is None or now - t > SPECULATIVE_TTL_S):
-                break
-            n += 1
-        return n
+        return self.affinity.hit(r.replica_id.unique_id, self._cached(r), hashes)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        candidates = self._healthy(candidate_replicas)
-        by_load = sorted(candidates, key=self._load)
+        by_id = {r.replica_id.unique_id: r for r in self._healthy(candidate_replicas)}
         hashes = _hashes(pending_request)
-        reason = "least_loaded"
-        if hashes:
-            best = max(candidates, key=lambda r: (self.match(r, hashes), -self._load(r)))
-            got = self.match(best, hashes)
-            if got > 0 and self._load(best) <= self._load(by_load[0]) + self.imbalance:
-                self._remember(best.replica_id, hashes)
-                self._decide(pending_request, "prefix_hit", [best], got)
-                return [[best], [r for r in by_load if r is not best]]
-            reason = "fallback" if got > 0 else reason
-        least = self._load(by_load[0])
-        first = [r for r in by_load if self._load(r) == least]
-        self._decide(pending_request, reason, first)
-        return [first, by_load]
-
-    def _remember(self, replica_id: ReplicaID, hashes: list[int]) -> None:
-        recent = self._recent.setdefault(replica_id, {})
-        now = time.monotonic()
-        for h in hashes:
-            recent[h] = now
-        if len(recent) > 100_000:  # forget the oldest half
-            for h, _ in sorted(recent.items(), key=lambda kv: kv[1])[: len(recent) // 2]:
-                del recent[h]
-
-    def on_send_request(self, replica_id: ReplicaID) -> None:
-        super().on_send_request(replica_id)
-        self._routed[replica_id] = self._routed.get(replica_id, 0) + 1
+        key = pending_request.metadata.internal_request_id if pending_request is not None else None
+        choice = self.affinity.choose([(rid, self._cached(r)) for rid, r in by_id.items()], hashes, key)
+        ranked = [by_id[rid] for rid in choice.ranked]
+        self._decide(pending_request, choice.reason, ranked[:1], choice.hit)
+        observe.trace({"ev": "choose", "key": key, "h0": hashes[0] if hashes else None, "n": len(hashes),
+                       "reason": choice.reason, "hit": choice.hit, "ranked": choice.ranked, "costs": choice.costs,
+                       "requests": {rid: self.affinity.load(rid)[1] for rid in choice.ranked}})
+        return [[r] for r in ranked]  # in order: Serve tries the next only when one is full
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         super().on_request_routed(pending_request, replica_id, result)
-        hashes = _hashes(pending_request)
-        if hashes:
-            self._remember(replica_id, hashes)
+        r = self.curr_replicas.get(replica_id)
+        self.affinity.routed(pending_request.metadata.internal_request_id, replica_id.unique_id,
+                             _hashes(pending_request), self._cached(r) if r is not None else set())
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        f = self.affinity.flights.get(internal_request_id)
+        if f is not None and f.replica == replica_id.unique_id:  # not a rejected try Serve has since re-routed
+            self.affinity.finished(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._recent.pop(replica_id, None)
-        self._routed.pop(replica_id, None)
+        self.affinity.forget(replica_id.unique_id)
 
 
 class RoundRobinRouter(_Observed):
