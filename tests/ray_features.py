@@ -75,7 +75,7 @@ PROBES: list[tuple[str, str, str, Any, str | None]] = [  # name, method, path, b
     ("detokenize", "POST", "/detokenize", {"tokens": [19556, 905]}, KEY),
     ("version", "GET", "/version", None, KEY),
 ]
-RANDOM_ID = re.compile(r"^(chatcmpl|cmpl)-")  # a response's or tool call's id: new per request on any server
+RANDOM_ID = re.compile(r"^(chatcmpl|cmpl|modelperm)-")  # an id new per request on any server (vLLM's too)
 
 
 def normalize(x: Any) -> Any:
