@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
-import re
 import shutil
 import statistics
 import sys
@@ -41,80 +39,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-WORDS = ("river stone cloud lantern harbor meadow copper violet engine orchard signal canyon ember willow "
-         "market thunder glacier compass velvet summit beacon quarry meadow falcon prism cedar tundra archive "
-         "saffron delta marble voyage plume cobalt fable ridge ivory juniper nectar obsidian").split()
-QUESTIONS = ["Summarize the rules above in one sentence.", "What should I check first?",
-             "Give me one more example.", "What is the most common mistake?", "Explain that differently.",
-             "Which rule matters most, and why?"]
+from benchmarks.multiturn_client import QUESTIONS, prefix_counters, system_prompt, user
+
 SERVE_ARGS = ["--max-model-len", "4096", "--num-gpu-blocks", "1024", "--max-num-seqs", "16"]
-
-
-def system_prompt(tok: Any, user: int, lo: int, hi: int) -> str:
-    rng = random.Random(user)
-    target = rng.randint(lo, hi)
-    text = f"You are assistant number {user}. Follow these house rules carefully."
-    while len(tok.encode(text)) < target:
-        text += " Rule: " + " ".join(rng.choice(WORDS) for _ in range(12)) + "."
-    return text
-
-
-async def turn(session: Any, url: str, messages: list[dict[str, str]], answer: int) -> dict[str, Any]:
-    body = {"messages": messages, "max_tokens": answer, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.monotonic()
-    out: dict[str, Any] = {"start": t0, "ttft": None, "tokens": 0, "text": "", "ok": False}
-    try:
-        async with session.post(url + "/v1/chat/completions", json=body) as resp:
-            if resp.status != 200:
-                out["error"] = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                return out
-            buf = b""
-            async for chunk in resp.content.iter_any():
-                buf += chunk
-                while b"\n\n" in buf:
-                    ev, buf = buf.split(b"\n\n", 1)
-                    data = ev.decode().removeprefix("data: ")
-                    if data == "[DONE]":
-                        out["ok"] = "error" not in out
-                        continue
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        out["error"] = obj["error"].get("message")
-                        continue
-                    for ch in obj.get("choices") or ():
-                        piece = (ch.get("delta") or {}).get("content")
-                        if piece and out["ttft"] is None:
-                            out["ttft"] = time.monotonic() - t0
-                        out["text"] += piece or ""
-                    if obj.get("usage"):
-                        out["tokens"] = obj["usage"]["completion_tokens"]
-    except Exception as e:  # noqa: BLE001 - a lost request, counted as such
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["end"] = time.monotonic()
-    return out
-
-
-async def user(session: Any, url: str, system: str, uid: int, turns: int, answer: int,
-               results: list[dict[str, Any]]) -> None:
-    messages = [{"role": "system", "content": system}]
-    for t in range(turns):
-        messages.append({"role": "user", "content": QUESTIONS[(uid + t) % len(QUESTIONS)]})
-        r = await turn(session, url, messages, answer)
-        r.update(user=uid, turn=t)
-        results.append(r)
-        messages.append({"role": "assistant", "content": r["text"] or "(no answer)"})
-
-
-def prefix_counters(text: str) -> dict[str, tuple[float, float]]:
-    """replica -> (hits, queries) from the ingress's /metrics."""
-    got: dict[str, list[float]] = {}
-    for m in re.finditer(r'^vllm:prefix_cache_(hits|queries)_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
-        rep = re.search(r'replica="([^"]+)"', m.group(2))
-        if rep:
-            acc = got.setdefault(rep.group(1), [0.0, 0.0])
-            acc[0 if m.group(1) == "hits" else 1] += float(m.group(3))
-    return {k: (v[0], v[1]) for k, v in got.items()}
 
 
 def first_hashes(tok: Any, systems: list[str], block_size: int = 16) -> dict[int, int]:
@@ -174,7 +101,7 @@ async def run_once(url: str, systems: list[str], turns: int, answer: int,
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         async def scrape() -> None:
             async with session.get(url + "/metrics") as r:
-                seen.update(prefix_counters(await r.text()))
+                seen.update(prefix_counters(await r.text(), "replica"))
 
         async def scraper() -> None:
             while True:

@@ -22,13 +22,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pagedserve.common.routing_prompt import routing_token_ids
 from pagedserve.kvpicker import EventReader, Picker, Pod, block_hashes
 
 log = logging.getLogger("pagedserve.kvpicker")
 MAX_BODY_BYTES = 32 << 20  # the engine's own bound on a body
-MAX_PROMPT_CHARS = 4_000_000  # past these the picker does not tokenize: routed by load
-MAX_PROMPT_TOKENS = 1 << 20
-MAX_MESSAGES = 10_000
 MAX_PODS = 64
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 STATE_PATH = "/picker/state"
@@ -43,21 +41,7 @@ class PromptHasher:
         self.tok, self.block_size, self.seed = tokenizer, block_size, seed
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        if path == "/v1/completions":
-            p = body.get("prompt")
-            if isinstance(p, list) and len(p) == 1:  # a batch of one
-                p = p[0]
-            if isinstance(p, str) and 0 < len(p) <= MAX_PROMPT_CHARS:
-                return list(self.tok.encode(p))
-            if isinstance(p, list) and 0 < len(p) <= MAX_PROMPT_TOKENS and all(type(t) is int for t in p):
-                return p
-            return None
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not 0 < len(msgs) <= MAX_MESSAGES or len(str(msgs)) > MAX_PROMPT_CHARS:
-            return None
-        tools = body.get("tools") if isinstance(body.get("tools"), list) else None
-        return list(self.tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False))
+        return routing_token_ids(self.tok, path, body)
 
     def hashes(self, path: str, raw: bytes) -> list[int]:
         if path not in ROUTED_PATHS or not raw:

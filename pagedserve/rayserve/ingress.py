@@ -38,16 +38,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from pagedserve.common.block_hash import prompt_block_hashes
+from pagedserve.common.routing_prompt import routing_token_ids
 from pagedserve.rayserve import observe
 from pagedserve.rayserve.resume import StreamState
 
 log = logging.getLogger("ray.serve")
 MAX_ATTEMPTS = 4
 MAX_BODY_BYTES = 32 << 20  # as the engine's own bound on a body (frontend: MAX_REQUEST_BYTES)
-# Bounds on what the ingress itself tokenizes for routing (past them: forwarded without hashes)
-MAX_PROMPT_CHARS = 4_000_000
-MAX_PROMPT_TOKENS = 1 << 20
-MAX_MESSAGES = 10_000
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 ROUTE_PATH = "/pagedserve/route"  # for gRPC clients: which replica, for this prompt (docs/deployment.md)
 DROP_REQUEST_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
@@ -94,24 +91,6 @@ class Ingress:
         self._period = stats_period_s
 
     # ------------------------------------------------------------ routing
-    def _prompt_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
-        if path == "/v1/completions":
-            p = body.get("prompt")
-            if isinstance(p, list) and len(p) == 1:  # a batch of one
-                p = p[0]
-            if isinstance(p, str) and 0 < len(p) <= MAX_PROMPT_CHARS:
-                return list(self._tok.encode(p))
-            if isinstance(p, list) and 0 < len(p) <= MAX_PROMPT_TOKENS and all(type(t) is int for t in p):
-                return p
-            return None
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not 0 < len(msgs) <= MAX_MESSAGES or len(str(msgs)) > MAX_PROMPT_CHARS:
-            return None
-        tools = body.get("tools") if isinstance(body.get("tools"), list) else None
-        out = self._tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
-        return list(out)
-
     def _hashes(self, path: str, raw: bytes) -> list[int]:
         """The prompt's block hashes, or none for what the engine will refuse (or reads otherwise)."""
         if path not in (*ROUTED_PATHS, ROUTE_PATH) or not raw:
@@ -120,7 +99,7 @@ class Ingress:
             body = json.loads(raw)
             if path == ROUTE_PATH and isinstance(body, dict):  # a prompt (text or ids) or chat messages
                 path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-            ids = self._prompt_ids(path, body) if isinstance(body, dict) else None
+            ids = routing_token_ids(self._tok, path, body) if isinstance(body, dict) else None
         except Exception:  # noqa: BLE001 - a body or template the engine will judge; route it by load
             return []
         return prompt_block_hashes(ids, self._bs) if ids else []
