@@ -21,7 +21,7 @@ the undisturbed KV runs, and 0 lost (streams resume on another replica).
 
 --out gets the machine, the date, the baseline, each run's figures with every
 request's record (user, turn, TTFT, and from the router's trace,
-$PAGEDSERVE_ROUTER_TRACE: its replica, why, its prefix hit, the router's costs
+the router's ``trace`` file: its replica, why, its prefix hit, the router's costs
 then, and what the client had outstanding on that replica), the medians, and
 the verdicts computed from them: kv ahead on hit rate, TTFT p50, TTFT p99 and
 output tok/s (acceptance 2), and for --kill, 0 lost and p50 within 2x
@@ -232,7 +232,6 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")  # a shared machine: no OOM killer on replicas
     trace_file = Path(tempfile.mkdtemp(prefix="pagedserve-ray-bench-")) / "router-trace.jsonl"
-    os.environ["PAGEDSERVE_ROUTER_TRACE"] = str(trace_file)  # the ingress (a worker of this cluster) inherits it
     lo, hi = (int(x) for x in args.system_tokens.split("-"))
     tok = AutoTokenizer.from_pretrained(resolve_model(None))
     systems = [system_prompt(tok, u, lo, hi) for u in range(args.users)]
@@ -255,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         for rnd, name in plan:
             router = "kv" if name == "kv-kill" else name
             serve.run(build_app(None, args.serve_args or SERVE_ARGS, args.replicas, router,
-                                replica_cpus=args.nodes / args.replicas), name="pagedserve", route_prefix="/")
+                                replica_cpus=args.nodes / args.replicas, trace=str(trace_file)),
+                      name="pagedserve", route_prefix="/")
             wait_healthy(url, args.replicas)
             trace_file.write_text("")
             res = asyncio.run(run_once(url, systems, args.turns, args.answer,

@@ -23,6 +23,7 @@ import torch
 
 from e2e_util import serve, wait_all_free
 from models import make_tiny_model
+from cache_util import fresh_cache
 
 from pagedserve.common import default_model
 from pagedserve.serve_args import parse_serve_args
@@ -166,7 +167,7 @@ def test_gguf_is_converted_once_keyed_by_content(tiny_gguf: Path, tmp_path: Path
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Racing resolvers convert once, into <cache>/gguf-v1/<sha256[:16]>/<name>; a
     file with other bytes under the same name gets a folder of its own."""
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEDSERVE_CACHE", fresh_cache(tmp_path / "cache"))
     calls: list[Path] = []
     real_convert = default_model._convert
 
@@ -222,7 +223,7 @@ def test_gguf_served_through_four_processes_equals_transformers(tiny_gguf: Path,
     chat_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                        return_dict=True)["input_ids"]
     expected_chat = hf_gguf_greedy(tiny_gguf, list(chat_ids), 8, hf)
-    env = {"PAGEDSERVE_CACHE": str(tmp_path / "cache")}
+    env = {"PAGEDSERVE_CACHE": fresh_cache(tmp_path / "cache")}
     with serve(str(tiny_gguf), "--quantization", "gguf", "--num-gpu-blocks", "64", env=env) as server:
         assert any("GGUF weights are served as the file's blocks" in line for line in server.log)
         # the worker got the converted folder with --load-format gguf: it read the file itself

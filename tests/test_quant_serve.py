@@ -26,6 +26,7 @@ import torch
 
 from models import make_tiny_model
 from test_gguf_serve import write_llama_gguf
+from cache_util import fresh_cache
 
 from pagedserve.common.config import EngineConfig
 from pagedserve.common.messages.types import SamplingParams
@@ -167,7 +168,7 @@ def test_quantized_worker_equals_dequantized_worker(tiny_quant: Path, tmp_path: 
     """Through the worker: with the blocks dequantized per product (no packing) the logits
     equal the float32 checkpoint's to float rounding; with the int8 kernels (activations
     quantized per 32) they stay close and greedy tokens pass check_logprobs_close."""
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEDSERVE_CACHE", fresh_cache(tmp_path / "cache"))
     prompts = [[5 + i, 9, 17 + 2 * i, 4, 30 + i] * (i + 2) for i in range(4)]
     ref = runner(str(tiny_quant), dequantize=True)
     assert ref.gguf_file is None and ref.weight_bytes["quantized"] == 0

@@ -25,7 +25,8 @@ APP_NAME = "pagedserve"
 
 def build_app(model: str | None, serve_args: list[str], num_replicas: int = 3, router: str = "kv",
               block_size: int = 16, replica_cpus: float = 1.0, max_ongoing_requests: int = 64,
-              stats_period_s: float = 0.5, env: dict[str, str] | None = None) -> Any:
+              stats_period_s: float = 0.5, env: dict[str, str] | None = None, trace: str | None = None) -> Any:
+    """``trace``: a file the router appends each routing decision to (benchmarks/ray_multiturn.py)."""
     from ray.serve.config import RequestRouterConfig
 
     from pagedserve.rayserve.ingress import Ingress
@@ -35,7 +36,7 @@ def build_app(model: str | None, serve_args: list[str], num_replicas: int = 3, r
         raise ValueError(f"--router: one of {', '.join(ROUTERS)}")
     cfg = RequestRouterConfig(request_router_class=ROUTERS[router], request_routing_stats_period_s=stats_period_s,
                               request_routing_stats_timeout_s=max(5.0, 4 * stats_period_s),
-                              request_router_kwargs={"stats_period_s": stats_period_s})
+                              request_router_kwargs={"stats_period_s": stats_period_s, "trace": trace})
     replica = PagedServeReplica.options(
         num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": replica_cpus, "runtime_env": {"env_vars": dict(env or {})}},

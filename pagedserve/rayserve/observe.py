@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import time
 import weakref
@@ -39,13 +38,9 @@ SCRAPE_TIMEOUT_S = 5.0
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{)?")
 
 
-TRACE_ENV = "PAGEDSERVE_ROUTER_TRACE"  # a file: each routing decision as a JSON line (benchmarks/ray_multiturn.py)
-
-
-def trace(event: dict[str, Any]) -> None:
-    """Appends one routing event (with this process's monotonic clock, the benchmark's too) where
-    $PAGEDSERVE_ROUTER_TRACE says; nothing when it is unset."""
-    path = os.environ.get(TRACE_ENV)
+def trace(path: str | None, event: dict[str, Any]) -> None:
+    """Appends one routing event (with this process's monotonic clock, the benchmark's too) to
+    ``path``, the router's ``trace`` (build_app); nothing when it is None."""
     if not path:
         return
     with open(path, "a") as f:  # one write per line, O_APPEND: lines from several routers never interleave

@@ -23,7 +23,7 @@ stats stopped changing for ``STALE_PERIODS`` stats periods (its actor died or
 hangs), unless no replica is left; Serve itself drops a replica at once when a
 call to it finds its actor dead. Both count their choices in observe.py's
 families (by reason, and the chosen replica's prefix hit in blocks), and with
-$PAGEDSERVE_ROUTER_TRACE set they write each choice there (observe.trace)."""
+``trace`` (build_app) set they write each choice there (observe.trace)."""
 from __future__ import annotations
 
 import itertools
@@ -49,8 +49,8 @@ def _hashes(pending: PendingRequest | None) -> list[int]:
 class _Observed(RequestRouter):
     """Health filtering and the routing metrics both routers share."""
 
-    def _setup(self, stats_period_s: float) -> None:
-        self._period = stats_period_s
+    def _setup(self, stats_period_s: float, trace: str | None) -> None:
+        self._period, self._trace = stats_period_s, trace
         self._ages = observe.StatsAge()
         # request id -> (reason, hit, the first rank's replicas), until Serve routes it
         self._decided: dict[str, tuple[str, int | None, set[ReplicaID]]] = {}
@@ -108,7 +108,7 @@ class _Observed(RequestRouter):
         observe.ROUTED.labels(reason).inc()
         observe.HIT_BLOCKS.observe(hit)
         hs = _hashes(pending_request)
-        observe.trace({"ev": "routed", "key": pending_request.metadata.internal_request_id,
+        observe.trace(self._trace, {"ev": "routed", "key": pending_request.metadata.internal_request_id,
                        "h0": hs[0] if hs else None, "n": len(hs), "replica": replica_id.unique_id,
                        "reason": reason, "hit": hit})
 
@@ -120,8 +120,8 @@ class _Observed(RequestRouter):
 
 class KVAffinityRouter(_Observed):
     def initialize_state(self, imbalance: int = IMBALANCE, stats_period_s: float = DEFAULT_PERIOD_S,
-                         decode_blocks: int = DECODE_BLOCKS, **kwargs: Any) -> None:
-        self._setup(stats_period_s)
+                         decode_blocks: int = DECODE_BLOCKS, trace: str | None = None, **kwargs: Any) -> None:
+        self._setup(stats_period_s, trace)
         self.imbalance = imbalance
         self.affinity = Affinity(imbalance, decode_blocks)
 
@@ -143,7 +143,7 @@ class KVAffinityRouter(_Observed):
         choice = self.affinity.choose([(rid, self._cached(r)) for rid, r in by_id.items()], hashes, key)
         ranked = [by_id[rid] for rid in choice.ranked]
         self._decide(pending_request, choice.reason, ranked[:1], choice.hit)
-        observe.trace({"ev": "choose", "key": key, "h0": hashes[0] if hashes else None, "n": len(hashes),
+        observe.trace(self._trace, {"ev": "choose", "key": key, "h0": hashes[0] if hashes else None, "n": len(hashes),
                        "reason": choice.reason, "hit": choice.hit, "ranked": choice.ranked, "costs": choice.costs,
                        "requests": {rid: self.affinity.load(rid)[1] for rid in choice.ranked}})
         return [[r] for r in ranked]  # in order: Serve tries the next only when one is full
@@ -166,8 +166,9 @@ class KVAffinityRouter(_Observed):
 
 
 class RoundRobinRouter(_Observed):
-    def initialize_state(self, stats_period_s: float = DEFAULT_PERIOD_S, **kwargs: Any) -> None:
-        self._setup(stats_period_s)
+    def initialize_state(self, stats_period_s: float = DEFAULT_PERIOD_S, trace: str | None = None,
+                         **kwargs: Any) -> None:
+        self._setup(stats_period_s, trace)
         self._turn = itertools.count()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
