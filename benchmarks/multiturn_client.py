@@ -103,9 +103,11 @@ Counters = Callable[[Any], Awaitable[dict[str, tuple[float, float]]]]
 
 
 async def run_once(url: str, systems: list[str], turns: int, answer: int, counters: Counters,
-                   kill: Any = None) -> dict[str, Any]:
+                   kill: Any = None, extra: Callable[[list[dict[str, Any]], float], dict[str, Any]] | None = None
+                   ) -> dict[str, Any]:
     """One run of every user against ``url``. ``counters(session)``: each engine's prefix-cache
-    counters now (scraped every 2 s and at the end, so an engine that goes away keeps its last)."""
+    counters now (scraped every 2 s and at the end, so an engine that goes away keeps its last).
+    ``extra(results, t0)``: more fields from the per-request records (the Ray benchmark's trace)."""
     import aiohttp
 
     results: list[dict[str, Any]] = []
@@ -153,7 +155,8 @@ async def run_once(url: str, systems: list[str], turns: int, answer: int, counte
             "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0, "engines_seen": len(seen),
             "answered_by": pods,  # by the picker's x-picker-pod header (none through Ray's ingress)
             "users_on_one_pod": sum(len({r.get("pod") for r in results if r["user"] == u}) == 1
-                                    for u in range(len(systems))) if pods else None}
+                                    for u in range(len(systems))) if pods else None,
+            **(extra(results, t0) if extra else {})}
 
 
 def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:

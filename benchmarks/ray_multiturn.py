@@ -32,14 +32,14 @@ import argparse
 import asyncio
 import json
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.multiturn_client import QUESTIONS, prefix_counters, system_prompt, user
+from benchmarks.multiturn_client import QUESTIONS, median_row, prefix_counters, system_prompt
+from benchmarks.multiturn_client import run_once as client_run_once
 
 SERVE_ARGS = ["--max-model-len", "4096", "--num-gpu-blocks", "1024", "--max-num-seqs", "16"]
 
@@ -93,49 +93,19 @@ def join_trace(results: list[dict[str, Any]], lines: list[str], users: dict[int,
 
 async def run_once(url: str, systems: list[str], turns: int, answer: int,
                    kill: Any = None, trace: tuple[Path, dict[int, int]] | None = None) -> dict[str, Any]:
-    import aiohttp
+    """The shared client's run through the ingress: its counters per replica label, and each
+    request's routing from the router's trace."""
+    async def counters(session: Any) -> dict[str, tuple[float, float]]:
+        async with session.get(url + "/metrics") as r:
+            return prefix_counters(await r.text(), "replica")
 
-    results: list[dict[str, Any]] = []
-    seen: dict[str, tuple[float, float]] = {}
-    timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def scrape() -> None:
-            async with session.get(url + "/metrics") as r:
-                seen.update(prefix_counters(await r.text(), "replica"))
+    def per_request(results: list[dict[str, Any]], t0: float) -> dict[str, Any]:
+        lines = trace[0].read_text().splitlines() if trace and trace[0].exists() else []
+        return {"per_request": join_trace(results, lines, trace[1], t0) if trace else []}
 
-        async def scraper() -> None:
-            while True:
-                await asyncio.sleep(2)
-                try:
-                    await scrape()
-                except Exception:  # noqa: BLE001 - the next scrape counts
-                    pass
-
-        async def killer() -> None:
-            total = len(systems) * turns
-            while sum(1 for r in results if "end" in r) < total // 3:
-                await asyncio.sleep(0.2)
-            await asyncio.to_thread(kill)
-
-        t0 = time.monotonic()
-        bg = [asyncio.create_task(scraper())] + ([asyncio.create_task(killer())] if kill else [])
-        await asyncio.gather(*(user(session, url, s, i, turns, answer, results) for i, s in enumerate(systems)))
-        wall = time.monotonic() - t0
-        for t in bg:
-            t.cancel()
-        await scrape()
-    per_request = join_trace(results, trace[0].read_text().splitlines() if trace and trace[0].exists() else [],
-                             trace[1], t0) if trace else []
-    ttfts = sorted(r["ttft"] for r in results if r["ttft"] is not None)
-    hits = sum(h for h, _ in seen.values())
-    queries = sum(q for _, q in seen.values())
-    q = statistics.quantiles(ttfts, n=100) if len(ttfts) >= 2 else ttfts * 99
-    return {"requests": len(results), "lost": [r.get("error", "no [DONE]") for r in results if not r["ok"]],
-            "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
-            "ttft_p99_s": round(q[98], 3) if ttfts else None,
-            "output_tok_s": round(sum(r["tokens"] for r in results) / wall, 2), "wall_s": round(wall, 1),
-            "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0, "replicas_seen": len(seen),
-            "per_request": per_request}
+    out = await client_run_once(url, systems, turns, answer, counters, kill, per_request)
+    out["replicas_seen"] = out.pop("engines_seen")
+    return out
 
 
 def kill_one_replica() -> str:
@@ -162,11 +132,6 @@ def wait_healthy(url: str, n: int, timeout_s: float = 1800) -> None:
             pass
         time.sleep(1)
     raise TimeoutError(f"{n} healthy replicas after {timeout_s} s")
-
-
-def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    keys = ("prefix_hit_rate", "ttft_p50_s", "ttft_p99_s", "output_tok_s")
-    return {k: statistics.median(r[k] for r in runs) for k in keys} | {"lost": sum(len(r["lost"]) for r in runs)}
 
 
 def slowest(per_request: list[dict[str, Any]], k: int = 4) -> list[dict[str, Any]]:
