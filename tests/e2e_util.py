@@ -88,6 +88,7 @@ def serve(*args: str, timeout_s: float = 300.0, env: dict[str, str] | None = Non
     port = free_port()
     http_port = int((env or {}).get("PAGEDSERVE_HTTP_PORT") or free_port())
     cmd = [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", str(port), "--port", str(http_port), *args]
+    wall0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}, start_new_session=session)
     log: list[str] = []
@@ -134,6 +135,7 @@ def serve(*args: str, timeout_s: float = 300.0, env: dict[str, str] | None = Non
             time.sleep(0.1)
         left = [n for n, p in pids.items() if _pid_alive(p)]
         assert not left, f"processes left behind after Ctrl-C: {left}"
-        stale = glob.glob(os.path.join(tempfile.gettempdir(), f"pagedserve-run-{proc.pid}-*"))
+        stale = [d for d in glob.glob(os.path.join(tempfile.gettempdir(), f"pagedserve-run-{proc.pid}-*"))
+                 if os.path.getmtime(d) >= wall0 - 1]  # an older one is a reused pid's
         assert not stale, f"ipc run directories left behind: {stale}"
         assert rc == 0, "serve exited with %d:\n%s" % (rc, "".join(log[-40:]))
