@@ -192,12 +192,17 @@ def test_the_analysis_itself_stays_fast_on_worst_inputs() -> None:
     for check, text in [(fs.check_ebnf, chain), (fs.check_ebnf, "root ::= " + "(" * 60 + '"a"' + ")" * 60),
                         (g.check_regex, "(" * 4000 + ")" * 4000), (g.check_regex, "[a-z]" * 1600),
                         (g.check_schema_text, "[" * 32000 + "]" * 32000)]:
-        t0 = time.perf_counter()
-        try:
-            check(text[:g.MAX_SPEC_CHARS])
-        except g.GrammarBoundError:
-            pass
-        assert time.perf_counter() - t0 < 1.0, text[:40]
+        # the best of three: a slow scan is slow every time, a busy CI machine's pause is not
+        assert min(_timed(check, text[:g.MAX_SPEC_CHARS]) for _ in range(3)) < 1.0, text[:40]
+
+
+def _timed(check: Any, text: str) -> float:
+    t0 = time.perf_counter()
+    try:
+        check(text)
+    except g.GrammarBoundError:
+        pass
+    return time.perf_counter() - t0
 
 
 # ------------------------------------------------------------------ compile time just under the bounds

@@ -178,8 +178,18 @@ def _events(raw: bytes) -> list[Any]:
         obj = json.loads(data)
         obj.pop("id", None)
         obj.pop("created", None)
+        # tokens that a busy frontend sends in one chunk are one delta: join content-only chunks
+        prev = out[-1] if out else None
+        if isinstance(prev, dict) and _content_only(prev) and _content_only(obj):
+            prev["choices"][0]["delta"]["content"] += obj["choices"][0]["delta"]["content"]
+            continue
         out.append(obj)
     return out
+
+
+def _content_only(obj: dict[str, Any]) -> bool:
+    ch = obj.get("choices") or [{}]
+    return len(ch) == 1 and list(ch[0].get("delta", {})) == ["content"] and ch[0].get("finish_reason") is None
 
 
 def test_state_route(setup: Setup) -> None:
