@@ -53,7 +53,8 @@ SIGNATURES = {
     "pagedserve_quant_repack": [_i32, _ptr, _ptr, _i64, _i64, _i64],
     "pagedserve_quant_unpack": [_i32, _ptr, _ptr, _i64, _i64, _i64],
     "pagedserve_quant_act": [_i32, _ptr, _i64, _i64, _ptr, _ptr, _ptr],
-    "pagedserve_quant_linear": [_i32, _i32, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "pagedserve_quant_linear_parts": [_i32, _ptr, _ptr, _ptr, _i64, _i64, _i32, _ptr, _ptr, _ptr],
+    "pagedserve_quant_rows": [_i32, _ptr, _i64, _i64, _ptr, _i64, _ptr],
 }
 
 # Until configured (kernels used directly, outside a worker): on, in the default cache's folder.

@@ -70,6 +70,7 @@ class QuantWeight:
     qtype: str
     shape: tuple[int, int]  # (out_features, in_features)
     packed: torch.Tensor | None = field(default=None, repr=False)
+    alone: quant_cpu.Parts | None = field(default=None, repr=False, compare=False)  # packed as one part, built once
 
     def __post_init__(self) -> None:
         qt = quant_type(self.qtype)
@@ -207,7 +208,9 @@ def prepare(w: QuantWeight, keep_blocks: bool = True) -> QuantWeight:
 def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, in_features] (float32 or bfloat16) @ W.T (+ bias): [M, out_features] in x's dtype."""
     if w.packed is not None:
-        y = quant_cpu.linear(x, w.packed, w.quant.code, *w.shape, bias)
+        if w.alone is None:
+            w.alone = packed_parts([w])
+        y = quant_cpu.linear_parts(x, w.alone, bias)  # type: ignore[arg-type]
         if y is not None:
             return y
     if x.shape[-1] != w.shape[1]:

@@ -113,10 +113,19 @@ def bench(qtype: str, label: str, n: int, k: int, rows: list[int], repeats: int)
 LAYERS = {"smol": 30, "1b": 16}
 
 
-def step(shape: str, qtypes: list[str], rows: list[int], repeats: int) -> list[str]:
+def bf16_peak(repeats: int, size: int = 2048) -> float:
+    """torch's own bf16 matmul at size^3 (issue 40's reference peak, about 390 GFLOP/s here): best GFLOP/s."""
+    a, b = torch.randn(size, size).to(torch.bfloat16), torch.randn(size, size).to(torch.bfloat16)
+    torch.mm(a, b)
+    best = _times_us({"mm": lambda i: torch.mm(a, b)}, repeats)["mm"][0]
+    return 2.0 * size ** 3 / best / 1e3
+
+
+def step(shape: str, qtypes: list[str], rows: list[int], repeats: int, peak: float) -> list[str]:
     """A whole decode step's linear layers (every layer's, then the LM head) at M rows: the
     weights of a real model size, so they stream from memory as in serving. Milliseconds per
-    step, against the panels' bf16 (the CPU path's own) on the same dequantized weights."""
+    step, against the panels' bf16 (the CPU path's own) on the same dequantized weights, and
+    each one's GFLOP/s as a share of ``peak`` (torch's bf16 matmul, measured in the same run)."""
     layers = [(label, n, k) for label, n, k in SHAPES[shape] if label != "lm_head"] * LAYERS[shape]
     layers.append(next(s for s in SHAPES[shape] if s[0] == "lm_head"))
     lines = []
@@ -134,6 +143,7 @@ def step(shape: str, qtypes: list[str], rows: list[int], repeats: int) -> list[s
             us = _times_us(fns, repeats)
             flop = 2.0 * m * sum(n * k for _, n, k in layers)
             parts = [f"{name} {best / 1e3:7.2f} ms (median {med / 1e3:7.2f}) {flop / best / 1e3:6.1f} GF/s "
+                     f"= {flop / best / 1e3 / peak:4.0%} of peak, "
                      f"{(qbytes if name == 'quant' else flop / m) / best / 1e3:5.1f} GB/s"
                      for name, (best, med) in us.items()]
             lines.append(f"{qtype} {shape} step ({len(layers)} linears) M={m:<3d} | " + " | ".join(parts))
@@ -155,8 +165,10 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}, clock {a.clock}; best (median) of {a.repeats}", flush=True)
     rows = [int(r) for r in a.rows.split(",")]
     if a.step:
+        peak = bf16_peak(a.repeats)
+        print(f"peak: torch bf16 mm 2048^3 {peak:.1f} GFLOP/s (best of {a.repeats})", flush=True)
         for shape in a.shapes.split(","):
-            for line in step(shape, a.types.split(","), rows, a.repeats):
+            for line in step(shape, a.types.split(","), rows, a.repeats, peak):
                 print(line, flush=True)
         return
     for shape in a.shapes.split(","):

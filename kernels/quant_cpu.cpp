@@ -482,6 +482,26 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float*
   }
 }
 
+// The second term of fp32 activations: r = x - q1 d1 per element, quantized as quantize_rows does.
+// Not contracted into a fused multiply-add, so torch's x - q1 * d1 (kernels/quant_cpu.py) equals it.
+__attribute__((optimize("fp-contract=off"))) void residual_rows(const float* x, int64_t M, int64_t K,
+                                                               const int8_t* q1, const float* d1, int8_t* q2,
+                                                               float* d2, float* s2) {
+  static thread_local std::vector<float> buf;
+  buf.resize(M * K);
+  float* r = buf.data();  // the caller's buffer: a thread_local named inside the loop would be each thread's own
+#pragma omp parallel for schedule(static) if (M * K >= 16384)
+  for (int64_t i = 0; i < M * K; ++i) r[i] = x[i] - static_cast<float>(q1[i]) * d1[i / 32];
+  quantize_rows(static_cast<const float*>(r), M, K, q2, d2, s2);
+}
+
+// y [M][N] = the two terms' products (rows m and M + m of t) + bias.
+void add_terms(const float* t, const float* bias, float* y, int64_t M, int64_t N) {
+#pragma omp parallel for schedule(static) if (M * N >= 16384)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) y[m * N + n] = t[m * N + n] + t[(M + m) * N + n] + (bias ? bias[n] : 0.0f);
+}
+
 // One file block (or superblock) of type qt at b as float32, exactly as kernels/quant.py's
 // dequantize (ggml's formulas, each product and sum rounded as torch rounds them: no fused
 // multiply-adds here).
@@ -629,33 +649,33 @@ int pagedserve_quant_linear_parts(int dtype, const void* x, const void* bias, vo
   }
   if (dtype != 0 && dtype != 1) return 2;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  // fp32 activations get two int8 terms, x = q1 d1 + q2 d2 (the second quantizes what the first
+  // rounded off), so about 15 bits each instead of 8: the same tiles run 2M rows over one read of
+  // the weight. bf16 activations carry 8 bits already, and one term matches them.
+  const int64_t MR = dtype == 0 ? 2 * M : M;
   static thread_local std::vector<int8_t> q;
-  static thread_local std::vector<float> d, s;
-  q.resize(M * K);
-  d.resize(M * K / 32);
-  s.resize(M * K / 16);
+  static thread_local std::vector<float> d, s, two;
+  q.resize(MR * K);
+  d.resize(MR * K / 32);
+  s.resize(MR * K / 16);
   pagedserve_quant_act(dtype, x, M, K, q.data(), d.data(), s.data());
+  if (dtype == 0) {
+    residual_rows(static_cast<const float*>(x), M, K, q.data(), d.data(), q.data() + M * K, d.data() + M * K / 32,
+                  s.data() + M * K / 16);
+    two.resize(MR * N);
+  }
   const Act a{q.data(), d.data(), s.data(), K};
   int64_t off = 0;
   for (int p = 0; p < parts; off += rows[p], ++p) {
     if (dtype == 0)
-      dispatch(qtypes[p], a, packed[p], bias ? static_cast<const float*>(bias) + off : nullptr,
-               static_cast<float*>(y) + off, M, rows[p], N);
+      dispatch(qtypes[p], a, packed[p], static_cast<const float*>(nullptr), two.data() + off, MR, rows[p], N);
     else
       dispatch(qtypes[p], a, packed[p], bias ? static_cast<const uint16_t*>(bias) + off : nullptr,
                static_cast<uint16_t*>(y) + off, M, rows[p], N);
   }
+  if (dtype == 0) add_terms(two.data(), static_cast<const float*>(bias), static_cast<float*>(y), M, N);
 #endif
   return 0;
-}
-
-// pagedserve_quant_linear_parts with one part: y [M][N] = x [M][K] . W^T (+ bias [N] or null).
-int pagedserve_quant_linear(int qt, int dtype, const void* x, const uint8_t* packed, const void* bias, void* y,
-                            int64_t M, int64_t N, int64_t K) {
-  const int32_t qtypes[1] = {qt};
-  const uint8_t* parts[1] = {packed};
-  const int64_t rows[1] = {N};
-  return pagedserve_quant_linear_parts(dtype, x, bias, y, M, K, 1, qtypes, parts, rows);
 }
 
 }  // extern "C"

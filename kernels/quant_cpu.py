@@ -2,10 +2,11 @@
 CPU kernel library by ``cpu_build``).
 
 ``repack`` turns a weight's blocks into the kernel's groups of 16 rows (the
-same bytes reordered; Q4_K's 6-bit scales unpacked, +2.8 %); ``linear``
-quantizes the activations per 32 to int8 and runs the VNNI dot products;
-``linear_parts`` does so for weights side by side (q/k/v of different types),
-quantizing x once, as the compiled decoder stack (``cpu_model.cpp``) does.
+same bytes reordered; Q4_K's 6-bit scales unpacked, +2.8 %); ``linear_parts``
+quantizes the activations per 32 to int8 (fp32 ones in two terms: ~15 bits)
+and runs the VNNI dot products for one weight or several side by side (q/k/v
+of different types), quantizing x once, as the compiled decoder stack
+(``cpu_model.cpp``) does.
 Both return None where the library cannot run them (not built, no
 AVX512-VNNI, another device or dtype), and ``quant.py`` dequantizes instead.
 
@@ -29,7 +30,7 @@ UNIT_BYTES = {"Q8_0": 544, "Q4_0": 288, "Q4_1": 320, "Q5_0": 352, "Q5_1": 384, "
               "Q6_K": 3360}  # per group and unit
 UNIT_WEIGHTS = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q4_K": 256, "Q6_K": 256}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-NO_VNNI = 3  # pagedserve_quant_linear's code: this CPU has no AVX512-VNNI
+NO_VNNI = 3  # pagedserve_quant_linear_parts' code: this CPU has no AVX512-VNNI
 
 
 def packed_bytes(qtype: str, n: int, k: int) -> int:
@@ -87,34 +88,21 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q, d, s
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, code: int, n: int, k: int,
-           bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x [..., k] @ W.T (+ bias) by the int8 kernel for W [n, k] of ggml type ``code`` packed by
-    ``repack``, in x's dtype; None: not run here. Lean on purpose: a decode step makes
-    hundreds of these calls at a few microseconds each."""
-    dtype = _DTYPES.get(x.dtype)
-    if dtype is None or x.device.type != "cpu":
+def activations_as_used(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """float64 (x as the products see it, the largest rounding per element) for x [M, K]: one int8
+    term for bf16 (q d, d / 2), two for fp32 (q1 d1 + q2 d2 with q2 d2 ~ x - q1 d1, d2 / 2)."""
+    first = quantize_activations(x)
+    if first is None:
         return None
-    lib = cpu_build.load()
-    if lib is None:
-        return None
-    if x.shape[-1] != k:
-        raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight {k}")
-    x2 = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
-    if x2.shape[0] == 0:
-        return None
-    if bias is not None:
-        if bias.shape != (n,):
-            raise ValueError(f"quant_linear: bias of shape {tuple(bias.shape)} for {n} outputs")
-        bias = bias.to(x.dtype).contiguous()
-    out = torch.empty((x2.shape[0], n), dtype=x.dtype)
-    rc = lib.pagedserve_quant_linear(code, dtype, x2.data_ptr(), packed.data_ptr(),
-                                     None if bias is None else bias.data_ptr(), out.data_ptr(), x2.shape[0], n, k)
-    if rc == NO_VNNI:
-        return None
-    if rc != 0:
-        raise ValueError(f"quant_linear type {code} ({n}, {k}) x {tuple(x.shape)}: bad arguments (code {rc})")
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+    q, d, _ = first
+    xq, step = q.double() * d.double().repeat_interleave(32, dim=1), d.repeat_interleave(32, dim=1)
+    if x.dtype == torch.float32:
+        second = quantize_activations(x - q.float() * step)
+        assert second is not None
+        q2, d2, _ = second
+        step = d2.repeat_interleave(32, dim=1)
+        xq = xq + q2.double() * step.double()
+    return xq, step.double() / 2
 
 
 class Parts:
@@ -131,22 +119,16 @@ class Parts:
         self.c_rows = (ctypes.c_int64 * count)(*rows)
 
 
-_PARTS_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-               ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-
-
 def linear_parts(x: torch.Tensor, parts: Parts, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [..., k] @ [W_0; W_1; ...].T (+ bias): the parts' outputs side by side, x quantized once;
-    None: not run here."""
+    None: not run here. Lean on purpose: a decode step makes hundreds of these calls at a few
+    microseconds each (the C arrays are built once, in ``Parts``)."""
     dtype = _DTYPES.get(x.dtype)
     if dtype is None or x.device.type != "cpu":
         return None
     lib = cpu_build.load()
     if lib is None:
         return None
-    fn = lib.pagedserve_quant_linear_parts
-    if fn.argtypes is None:  # declared here: cpu_build's table lists the library's older entries
-        fn.argtypes, fn.restype = _PARTS_ARGS, ctypes.c_int
     k, n = parts.k, parts.n
     if x.shape[-1] != k:
         raise ValueError(f"quant_linear: x has {x.shape[-1]} features, the weight {k}")
@@ -158,9 +140,10 @@ def linear_parts(x: torch.Tensor, parts: Parts, bias: torch.Tensor | None) -> to
             raise ValueError(f"quant_linear: bias of shape {tuple(bias.shape)} for {n} outputs")
         bias = bias.to(x.dtype).contiguous()
     out = torch.empty((x2.shape[0], n), dtype=x.dtype)
-    rc = fn(dtype, x2.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), x2.shape[0], k,
-            len(parts.packed), ctypes.addressof(parts.c_codes), ctypes.addressof(parts.c_packed),
-            ctypes.addressof(parts.c_rows))
+    rc = lib.pagedserve_quant_linear_parts(dtype, x2.data_ptr(), None if bias is None else bias.data_ptr(),
+                                           out.data_ptr(), x2.shape[0], k, len(parts.packed),
+                                           ctypes.addressof(parts.c_codes), ctypes.addressof(parts.c_packed),
+                                           ctypes.addressof(parts.c_rows))
     if rc == NO_VNNI:
         return None
     if rc != 0:
@@ -169,22 +152,15 @@ def linear_parts(x: torch.Tensor, parts: Parts, bias: torch.Tensor | None) -> to
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
-_ROWS_ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-              ctypes.c_void_p]
-
-
 def rows(packed: torch.Tensor, code: int, n: int, k: int, ids: torch.Tensor) -> torch.Tensor | None:
     """Rows ``ids`` (1-D) of the packed [n, k] weight dequantized, float32 [len(ids), k], exactly
     as ``quant.dequantize``; None without the library."""
     lib = cpu_build.load()
     if lib is None:
         return None
-    fn = lib.pagedserve_quant_rows
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = _ROWS_ARGS, ctypes.c_int
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty((ids.numel(), k), dtype=torch.float32)
-    rc = fn(code, packed.data_ptr(), n, k, ids.data_ptr(), ids.numel(), out.data_ptr())
+    rc = lib.pagedserve_quant_rows(code, packed.data_ptr(), n, k, ids.data_ptr(), ids.numel(), out.data_ptr())
     if rc != 0:
         raise ValueError(f"quant rows of ({n}, {k}): bad arguments or an id out of range (code {rc})")
     return out

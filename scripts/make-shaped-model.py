@@ -6,6 +6,7 @@ embedded SmolLM2's tokenizer (so every engine tokenizes alike), safetensors.
 
     scripts/make-shaped-model.py qwen3-moe OUT_DIR   # 8 experts, top-2
     scripts/make-shaped-model.py gemma3 OUT_DIR      # 5 sliding layers (512) to 1 full
+    scripts/make-shaped-model.py llama-1b OUT_DIR --dtype bfloat16   # issue 40's 1B shape
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
         hidden_size=640, num_attention_heads=4, num_key_value_heads=1, head_dim=256, intermediate_size=2048,
         num_hidden_layers=18, sliding_window=512, query_pre_attn_scalar=256, rope_theta=1000000.0,
         rope_local_base_freq=10000.0, max_position_embeddings=32768)),
+    # Llama 3.2 1B's layout (issue 40's realistic size): 16 layers, hidden 2048, 32 heads, 8 KV heads.
+    "llama-1b": ("LlamaConfig", "LlamaForCausalLM", dict(
+        hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=8192,
+        num_hidden_layers=16, rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=True)),
     # Gemma 3's layer pattern at a size whose prefills are cheap here, for KV-limited serving runs.
     "gemma3-small": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         hidden_size=256, num_attention_heads=4, num_key_value_heads=1, head_dim=64, intermediate_size=512,
@@ -39,6 +44,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("shape", choices=sorted(SHAPES))
     p.add_argument("out")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the saved weights' dtype")
     args = p.parse_args(argv)
     import torch
     import transformers as tf
@@ -52,7 +58,8 @@ def main(argv: list[str]) -> int:
                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
                                      dtype="float32")
     torch.manual_seed(args.seed)
-    model = getattr(tf, model_cls)(config).float().eval()
+    model = getattr(tf, model_cls)(config).float().eval().to(getattr(torch, args.dtype))
+    model.config.dtype = args.dtype  # config.json's torch_dtype, which every engine's "auto" reads
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     for name in os.listdir(tok_dir):

@@ -2,10 +2,11 @@
 against gguf-py's reference dequantizers, and the int8 VNNI product against
 float64 of the dequantized weight times the activations, over odd shapes.
 
-The product quantizes the activations per 32 to int8, so it is held tightly
-to float64 of (dequantized W) @ (x as the kernel quantized it), and loosely to
-the unquantized x, within the bound that rounding implies: |x - q d| <= d / 2
-per element, so |error| <= sum_k |W[n, k]| d(m, k) / 2.
+The product quantizes the activations per 32 to int8 (fp32 ones in two terms,
+q1 d1 + q2 d2, the second over what the first rounded off), so it is held
+tightly to float64 of (dequantized W) @ (x as the kernel quantized it), and
+loosely to the unquantized x, within the bound that rounding implies: |x - q d|
+<= d / 2 per element (d2 / 2 for fp32), so |error| <= sum_k |W[n, k]| d(m, k) / 2.
 """
 from __future__ import annotations
 
@@ -82,12 +83,11 @@ def test_the_kernels_build_here() -> None:
 def _references(w: QuantWeight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float64 (W @ x as quantized, W @ x, the bound on activation rounding) for x [M, K]."""
     wd = dequantize(w).double()
-    q, d, _ = quant_cpu.quantize_activations(x)
-    m, k = x.shape
-    dk = d.double().repeat_interleave(32, dim=1)  # [M, K] each element's scale
-    xq = q.double() * dk
-    assert ((xq - x.double()).abs() <= dk * (0.5 + 1e-5)).all(), "activations off their nearest step"
-    return xq @ wd.T, x.double() @ wd.T, (dk / 2) @ wd.abs().T
+    xq, half_step = quant_cpu.activations_as_used(x)
+    # within half a step, plus the float32 rounding of the fp32 residual x - q1 d1 (a few ulp of x)
+    slack = 4 * torch.finfo(torch.float32).eps * x.double().abs() if x.dtype == torch.float32 else 1e-5 * half_step
+    assert ((xq - x.double()).abs() <= half_step + slack).all(), "activations off their nearest step"
+    return xq @ wd.T, x.double() @ wd.T, half_step @ wd.abs().T
 
 
 @pytest.mark.parametrize("qtype", TYPES)
