@@ -23,7 +23,6 @@ import datetime
 import json
 import os
 import platform
-import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.multiturn_client import median_row, prefix_counters, run_once, system_prompt
+from pagedserve.bench.serve_proc import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBE = [sys.executable, str(ROOT / "deploy" / "k8s" / "podman_kube.py")]
@@ -142,12 +142,7 @@ def one_run(env: dict[str, str], args: argparse.Namespace, policy: str, systems:
             res = asyncio.run(run_once(url, systems, args.turns, args.answer, pod_counters(pods)))
             res["picker"] = json.loads(http(url + "/picker/state")[1])
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, 30)
     finally:
         down(env)
     return res | {"policy": policy, "pods_ready_s": round(ready_s, 1)}

@@ -12,6 +12,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def free_port() -> int:
@@ -29,6 +30,17 @@ def _has_grpc_port_flag() -> bool:
     return "--grpc-port" in out.stdout
 
 
+def stop_process(proc: subprocess.Popen[Any], timeout_s: float = 60.0) -> None:
+    """SIGINT (as Ctrl-C: a launcher stops its children), then SIGKILL after ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @dataclass
 class ServeProc:
     proc: subprocess.Popen[str]
@@ -37,13 +49,7 @@ class ServeProc:
     log: list[str] = field(default_factory=list)
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # as Ctrl-C: the launcher stops its children
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout_s)
 
 
 def start_serve(serve_args: list[str], model: str | None = None, timeout_s: float = 1800.0,

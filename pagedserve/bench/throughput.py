@@ -9,13 +9,13 @@ import concurrent.futures
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import time
 
 import torch
 
+from pagedserve.bench.serve_proc import stop_process
 from pagedserve.common.default_model import resolve_model
 
 PROMPTS = [
@@ -73,11 +73,7 @@ def run_engine(model: str | None, prompts: list[list[int]], max_tokens: int, ser
         assert n == max_tokens * len(prompts)
         return dt
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, 30)
 
 
 def run_transformers(model_dir: str, prompts: list[list[int]], max_tokens: int, device: str) -> float:
