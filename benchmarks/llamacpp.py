@@ -11,6 +11,8 @@ Engines, each a fresh process per run, started before and stopped after its time
 - ``pagedserve``: ``pagedserve serve FILE.gguf`` (blocks kept quantized), ``--dtype`` as given;
 - ``pagedserve-bf16``: the same file dequantized to bfloat16 (``PAGEDSERVE_GGUF_DEQUANTIZE=1``), the bar of
   acceptance 3;
+- ``pagedserve-fp32``: the blocks with fp32 activations (two int8 terms each: the default ``--dtype auto``
+  on a CPU), beside ``pagedserve``'s ``--dtype`` (bfloat16 unless given), for what the precision costs;
 - ``llama.cpp``: ``llama-server -m FILE -np <streams> -t 2`` (scripts/build-llama-cpp.sh builds it).
 
 Every engine gets the same prompt token ids and output lengths through the same client
@@ -106,7 +108,8 @@ class Server:
         else:
             cmd = [str(Path(sys.executable).with_name("pagedserve")), "serve", path, "--port", str(self.port),
                    "--grpc-port", str(_free_port()), "--max-num-seqs", str(max(streams, 1)),
-                   "--max-model-len", str(ctx), "--dtype", "bfloat16" if engine == "pagedserve-bf16" else dtype]
+                   "--max-model-len", str(ctx),
+                   "--dtype", {"pagedserve-bf16": "bfloat16", "pagedserve-fp32": "float32"}.get(engine, dtype)]
             env["PAGEDSERVE_GGUF_DEQUANTIZE"] = "1" if engine == "pagedserve-bf16" else "0"
             self.ready = f"http://127.0.0.1:{self.port}/v1/models"
         self.log = open(log, "ab")
@@ -227,6 +230,8 @@ def main(argv: list[str]) -> int:
                 entry["ratio_vs_llama_cpp"] = {e: med[e] / med["llama.cpp"] for e in med if e != "llama.cpp"}
             if "pagedserve-bf16" in med and "pagedserve" in med:
                 entry["ratio_quant_vs_bf16"] = med["pagedserve"] / med["pagedserve-bf16"]
+            if "pagedserve-fp32" in med and "pagedserve" in med:
+                entry["ratio_fp32_activations"] = med["pagedserve-fp32"] / med["pagedserve"]
             entry["verdict"] = verdict(scenario, entry)
             res["results"][key] = entry
             print(f"{key}: medians {', '.join(f'{e} {v:.1f}' for e, v in med.items())} tok/s; "

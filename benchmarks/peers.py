@@ -162,6 +162,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra `pagedserve serve` argument (repeatable, later wins), e.g. --serve-arg=--max-num-seqs=64")
     p.add_argument("--peers-python", default=str(PEERS_VENV / "bin" / "python"), help="python of the vLLM venv")
+    p.add_argument("--fresh", action="store_true", help="each round starts every engine anew (one workload): "
+                   "no prefix cache or warm state carried between rounds")
     p.add_argument("--text", action="store_true", help="the text path: every engine detokenizes in its timed run")
     args = p.parse_args(argv)
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -184,20 +186,21 @@ def main(argv: list[str]) -> int:
     # The KV pool gets what vLLM gets (VLLM_CPU_KVCACHE_SPACE=4): the CPU default
     # (256 MiB) would preempt a 64-request ShareGPT-like batch. --serve-arg overrides.
     serve_args = ["--device", "cpu", "--dtype", args.dtype, "--kv-cache-memory", "4GiB", *args.serve_arg]
+    def make(e: str) -> Engine:
+        print(f"bench peers: starting {e}", file=sys.stderr, flush=True)
+        if e == "pagedserve":
+            return PagedserveEngine(args.model, work, serve_args, text=args.text)
+        if e in ("pagedserve-async", "pagedserve-sync"):
+            return PagedserveEngine(args.model, work, serve_args, async_scheduling=e == "pagedserve-async",
+                                    text=args.text)
+        if e == "hf":
+            return HFEngine(model_dir, work, args.dtype, text=args.text)
+        return VllmEngine(model_dir, work, max_len, Path(args.peers_python), args.dtype, text=args.text)
+
     engines: dict[str, Engine] = {}
     try:
         for e in names:
-            print(f"bench peers: starting {e}", file=sys.stderr, flush=True)
-            eng: Engine
-            if e == "pagedserve":
-                eng = PagedserveEngine(args.model, work, serve_args, text=args.text)
-            elif e in ("pagedserve-async", "pagedserve-sync"):
-                eng = PagedserveEngine(args.model, work, serve_args, async_scheduling=e == "pagedserve-async",
-                                       text=args.text)
-            elif e == "hf":
-                eng = HFEngine(model_dir, work, args.dtype, text=args.text)
-            else:
-                eng = VllmEngine(model_dir, work, max_len, Path(args.peers_python), args.dtype, text=args.text)
+            eng = make(e)
             try:
                 eng.start()
             except Exception as exc:  # noqa: BLE001 - vLLM is optional; the others must start
@@ -218,6 +221,13 @@ def main(argv: list[str]) -> int:
         for r in range(args.repeats):
             for w in wls:
                 for e in rotated(names, r):
+                    if args.fresh and r > 0:  # a new process: no cache or warm state from the last round
+                        set_paused(engines[e], False)  # a stopped process would not see its close
+                        engines[e].close()
+                        engines[e] = make(e)
+                        engines[e].start()
+                        if isinstance(engines[e], PagedserveEngine):
+                            engines[e].log_path = Path(args.out) / f"{e}-server-{r + 1}.log"
                     for other in names:
                         set_paused(engines[other], other != e)
                     run = engines[e].run(w)
