@@ -11,8 +11,8 @@ A tensor that another processor would change (or that is not a 2-D weight,
 or whose type is a float) is dequantized and processed exactly as transformers
 does, so a family the quantized path does not cover still loads correctly.
 
-The file is memory-mapped (transformers' GGUF header reader; gguf-py
-dequantizes what is not kept); each kept tensor is copied out of the map once,
+The file is memory-mapped (transformers' GGUF header reader, gguf-py's for
+block types that one lacks; gguf-py dequantizes what is not kept); each kept tensor is copied out of the map once,
 so the worker's resident weights are the file's tensor bytes (plus the
 kernels' packing, ``prepare``), and the map is dropped after loading.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -100,24 +100,63 @@ def _llama_rows(data: np.ndarray, name: str, config: dict[str, Any], processor: 
     return data
 
 
+class _Tensor(NamedTuple):  # transformers' TensorInfo, as far as the loader reads it
+    name: str
+    shape: tuple[int, ...]  # torch order
+    ggml_type: int
+    nbytes: int
+
+
+class _Lazy:  # transformers' LazyGgufTensor: .data the bytes (a map), [()] a float tensor's values
+    _FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
+
+    def __init__(self, data: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> None:
+        self.data, self.ggml_type, self.shape = data, ggml_type, shape
+
+    def __getitem__(self, _: Any) -> torch.Tensor:
+        return torch.from_numpy(np.copy(self.data)).view(self._FLOATS[self.ggml_type]).reshape(self.shape)
+
+
+def _read(path: str) -> tuple[str, list[Any], dict[str, Any]]:
+    """(architecture, tensor table, lazy tensors by GGUF name): transformers' header reader (a
+    fraction of a second), or gguf-py's where that one refuses a block type it has no size for
+    (transformers 5.25 lacks Q5_0 and Q5_1, which Gemma 3's Q4_K_M file holds; gguf-py parses
+    every metadata field, seconds for a 262k vocabulary)."""
+    from transformers.integrations.gguf import GgufHeader, load_gguf_state_dict
+
+    try:
+        header = GgufHeader.from_file(path)
+        return header.architecture, list(header.tensors), load_gguf_state_dict(header)
+    except ValueError as e:
+        if "not supported yet" not in str(e):
+            raise
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    tensors, lazy = [], {}
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        info = _Tensor(t.name, shape, int(t.tensor_type), int(t.n_bytes))
+        tensors.append(info)
+        lazy[t.name] = _Lazy(t.data.reshape(-1).view(np.uint8), info.ggml_type, shape)
+    return str(arch), tensors, lazy
+
+
 def iter_gguf_weights(path: str | os.PathLike[str], hf_config: Any,
                       keep_quantized: bool = True) -> Iterator[tuple[str, Weight]]:
     """(checkpoint name, tensor or QuantWeight) for every tensor of the file that
     transformers would load; with ``keep_quantized`` False, every one dense."""
     import gguf
-    from transformers.integrations.gguf import GgufHeader, load_gguf_state_dict
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-    # transformers' header reader: gguf-py's GGUFReader parses every metadata field (the
-    # vocabulary too) into memmap slices, 6 s for SmolLM2 where this takes a fraction of one.
-    header = GgufHeader.from_file(str(path))
+    arch, tensors, lazy = _read(str(path))
     config = hf_config.to_dict()
-    processor = _processor(header.architecture, config)  # by the file's own spelling, as transformers picks it
-    names = _name_map(hf_config, processor, {t.name for t in header.tensors})
+    processor = _processor(arch, config)  # by the file's own spelling, as transformers picks it
+    names = _name_map(hf_config, processor, {t.name for t in tensors})
     keep = keep_quantized and _row_preserving(processor)
     parsed: dict[str, Any] = {"config": config, "tensors": {}}
-    lazy = load_gguf_state_dict(header)
-    for info in header.tensors:
+    for info in tensors:
         qtype = gguf.GGMLQuantizationType(info.ggml_type)
         raw = lazy.pop(info.name)
         if (keep and qtype.name not in FLOAT_TYPES and len(info.shape) == 2 and "norm" not in info.name
@@ -162,9 +201,7 @@ def dense(w: Weight) -> torch.Tensor:
 
 def gguf_tensor_bytes(path: str | os.PathLike[str]) -> int:
     """The bytes of every tensor in the file (its size less header and metadata)."""
-    from transformers.integrations.gguf import GgufHeader
-
-    return sum(t.nbytes for t in GgufHeader.from_file(str(path)).tensors)
+    return sum(t.nbytes for t in _read(str(path))[1])
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:

@@ -236,6 +236,8 @@ def chat_prompts(model: str | None = None) -> list[list[int]]:
     asks = ["Write two sentences about the sea.", "Explain a paged memory allocator to a child.",
             "List three facts about volcanoes.", "What is the history of bread baking?",
             "Give a short poem about black holes.", "Why do chess openings matter?"]
+    if tok.chat_template is None:  # Gemma 3 270M's GGUF file carries none: the questions as text
+        return [list(tok(a).input_ids) for a in asks]
     return [list(tok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True,
                                          tokenize=True, return_dict=True)["input_ids"]) for a in asks]
 
