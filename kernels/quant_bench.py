@@ -111,6 +111,7 @@ def bench(qtype: str, label: str, n: int, k: int, rows: list[int], repeats: int)
 
 
 LAYERS = {"smol": 30, "1b": 16}
+PEAK_BAR = 0.6  # issue 40, acceptance 6: a decode step's linears at 60 % of torch's bf16 peak or more
 
 
 def bf16_peak(repeats: int, size: int = 2048) -> float:
@@ -143,7 +144,8 @@ def step(shape: str, qtypes: list[str], rows: list[int], repeats: int, peak: flo
             us = _times_us(fns, repeats)
             flop = 2.0 * m * sum(n * k for _, n, k in layers)
             parts = [f"{name} {best / 1e3:7.2f} ms (median {med / 1e3:7.2f}) {flop / best / 1e3:6.1f} GF/s "
-                     f"= {flop / best / 1e3 / peak:4.0%} of peak, "
+                     f"= {flop / best / 1e3 / peak:4.0%} of peak "
+                     f"({'meets' if flop / best / 1e3 >= PEAK_BAR * peak else 'under'} issue 40's {PEAK_BAR:.0%}), "
                      f"{(qbytes if name == 'quant' else flop / m) / best / 1e3:5.1f} GB/s"
                      for name, (best, med) in us.items()]
             lines.append(f"{qtype} {shape} step ({len(layers)} linears) M={m:<3d} | " + " | ".join(parts))
