@@ -136,7 +136,7 @@ def test_unsupported_gguf_type_is_refused_in_one_line(tmp_path: Path, monkeypatc
 
 # ---- tiny files: the blocks, their names and row order --------------------------------------------
 
-@pytest.fixture(scope="module", params=["Q8_0", "Q4_0", "Q4_1"])
+@pytest.fixture(scope="module", params=["Q8_0", "Q4_0", "Q4_1", "Q5_0"])  # Q5_0: transformers 5.25's header reader lacks it
 def tiny_quant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp(f"tiny-{request.param}")
     folder = make_tiny_model(root / "hf", "llama", seed=3, **TINY)
