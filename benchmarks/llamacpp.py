@@ -181,7 +181,7 @@ def run_one(engine: str, path: str, scenario: str, dtype: str, log: Path) -> dic
 
 # Issue 40's bars: single stream at least 1.0x llama.cpp (acceptance 2); many streams at least 3x
 # llama.cpp and no slower than pagedserve's own bf16 on the same workload (acceptance 3); at 1 and 8
-# streams the blocks faster than the same model in bf16 (acceptance 6, which run_one's single also judges).
+# streams (single, streams8) the blocks faster than the same model in bf16 (acceptance 6).
 BARS = {"single": {"vs_llama_cpp": 1.0, "vs_own_bf16": 1.0}, "many": {"vs_llama_cpp": 3.0, "vs_own_bf16": 1.0},
         "streams8": {"vs_own_bf16": 1.0}}
 

@@ -10,7 +10,8 @@ while any request still runs) costs at least the larger of
   bf16 matmul peak (2048^3).
 The read rate is the best of ``torch.sum`` over 1 GiB and a 1B-shape decode step of the bf16 panels
 at one row (the rate a kernel streaming weights reaches). Both are the most a 2-core run reached,
-so the bound is optimistic: no engine meets it.
+so the bound is optimistic: no engine meets it. On a shared VM the read rate moves between runs
+(45-75 GB/s here on 2026-12-06), so measure it right beside the engines' run.
 
     python -m benchmarks roofline --model DIR --requests 32 [--max-output N] [--times peers.json]
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,31 +38,24 @@ def model_shape(model_dir: str) -> dict[str, int]:
 
 
 def rates(repeats: int = 5) -> dict[str, float]:
-    """GB/s read and bf16 GFLOP/s peak, best of ``repeats``."""
+    """GB/s read and bf16 GFLOP/s peak, best of ``repeats`` (quant_bench's timer and 1B decode step)."""
     import torch
 
     from pagedserve.kernels import cpu_ops
-    from pagedserve.kernels.quant_bench import bf16_peak
+    from pagedserve.kernels.quant_bench import LAYERS, SHAPES, _times_us, bf16_peak
 
     big = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
-    best_sum = min(_timed(lambda: big.sum()) for _ in range(repeats))
-    layers = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)] * 16
+    layers = [(n, k) for label, n, k in SHAPES["1b"] if label != "lm_head"] * LAYERS["1b"]
     panels = [cpu_ops.pack_linear(torch.randn(n, k).to(torch.bfloat16)) for n, k in layers]
-    read = sum(n * k * 2 for n, k in layers)
-    best_panels = float("inf")
+    xs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in layers}
+    fns: dict[str, Any] = {"sum": lambda i: big.sum()}
     if panels[0] is not None:
-        xs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in layers}
-        best_panels = min(_timed(lambda: [cpu_ops.packed_linear(xs[k], p, n, None) for (n, k), p in
-                                          zip(layers, panels)]) for _ in range(repeats))
-    return {"read_gb_s": max(big.numel() * 4 / best_sum, read / best_panels) / 1e9,
-            "sum_gb_s": big.numel() * 4 / best_sum / 1e9, "panels_gb_s": read / best_panels / 1e9,
+        fns["panels"] = lambda i: [cpu_ops.packed_linear(xs[k], p, n, None) for (n, k), p in zip(layers, panels)]
+    best = {name: b / 1e6 for name, (b, _) in _times_us(fns, repeats).items()}
+    sum_gb_s = big.numel() * 4 / best["sum"] / 1e9
+    panels_gb_s = sum(n * k * 2 for n, k in layers) / best["panels"] / 1e9 if "panels" in best else 0.0
+    return {"read_gb_s": max(sum_gb_s, panels_gb_s), "sum_gb_s": sum_gb_s, "panels_gb_s": panels_gb_s,
             "peak_gflop_s": bf16_peak(repeats)}
-
-
-def _timed(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def bound_seconds(work: list[tuple[int, int]], shape: dict[str, int], r: dict[str, float]) -> dict[str, float]:

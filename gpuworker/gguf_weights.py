@@ -140,7 +140,18 @@ def _read(path: str) -> tuple[str, list[Any], dict[str, Any]]:
         info = _Tensor(t.name, shape, int(t.tensor_type), int(t.n_bytes))
         tensors.append(info)
         lazy[t.name] = _Lazy(t.data.reshape(-1).view(np.uint8), info.ggml_type, shape)
+    _TENSOR_BYTES[_file_key(path)] = sum(t.nbytes for t in tensors)
     return str(arch), tensors, lazy
+
+
+# The tensor bytes of files read with gguf-py, so gguf_tensor_bytes after loading does not parse
+# the header again (seconds for Gemma 3's); keyed by path, size and time.
+_TENSOR_BYTES: dict[tuple[str, int, int], int] = {}
+
+
+def _file_key(path: str) -> tuple[str, int, int]:
+    st = os.stat(path)
+    return os.path.abspath(path), st.st_size, st.st_mtime_ns
 
 
 def iter_gguf_weights(path: str | os.PathLike[str], hf_config: Any,
@@ -201,7 +212,8 @@ def dense(w: Weight) -> torch.Tensor:
 
 def gguf_tensor_bytes(path: str | os.PathLike[str]) -> int:
     """The bytes of every tensor in the file (its size less header and metadata)."""
-    return sum(t.nbytes for t in _read(str(path))[1])
+    known = _TENSOR_BYTES.get(_file_key(str(path)))
+    return known if known is not None else sum(t.nbytes for t in _read(str(path))[1])
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:

@@ -115,7 +115,7 @@ PEAK_BAR = 0.6  # issue 40, acceptance 6: a decode step's linears at 60 % of tor
 
 
 def bf16_peak(repeats: int, size: int = 2048) -> float:
-    """torch's own bf16 matmul at size^3 (issue 40's reference peak, about 390 GFLOP/s here): best GFLOP/s."""
+    """torch's own bf16 matmul at size^3 (issue 40's reference peak): best GFLOP/s of ``repeats``."""
     a, b = torch.randn(size, size).to(torch.bfloat16), torch.randn(size, size).to(torch.bfloat16)
     torch.mm(a, b)
     best = _times_us({"mm": lambda i: torch.mm(a, b)}, repeats)["mm"][0]
