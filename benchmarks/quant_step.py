@@ -26,8 +26,11 @@ CONFIGS = {  # name -> (GGUF_DEQUANTIZE, CPU_FUSED_LAYERS)
 
 
 def file_path(which: str) -> str:
+    """A SmolLM2 type (Q4_1: the embedded file; Q8_0: its llama.cpp conversion) or any GGUF path."""
     from pagedserve.common.default_model import cache_dir, gguf_path
 
+    if which.endswith(".gguf"):
+        return which
     return str(gguf_path()) if which == "Q4_1" else str(cache_dir() / f"SmolLM2-135M-Instruct.{which}.gguf")
 
 

@@ -1,13 +1,15 @@
-"""The CPU decoder stack of a Llama-family model in one compiled call
-(``kernels/cpu_model.cpp``), where the per-op path would make about nine
-Python and ctypes round trips per layer.
+"""The CPU decoder stack of a Llama-family or Gemma 3 model in one compiled
+call (``kernels/cpu_model.cpp``), where the per-op path would make about nine
+(Gemma 3: about thirty) Python and torch calls per layer.
 
 ``FusedStack.build`` takes it only where every op would have run its compiled
 kernel anyway (CPU, float32 or bfloat16, one rank, the torch attention backend,
 every linear packed in panels or holding GGUF blocks the int8 kernels packed,
 a KV pool the library reads); anywhere else it
 returns None and the model runs layer by layer, with the same result bit for
-bit (tests/test_cpu_fused.py; GGUF blocks: tests/test_quant_fused.py).
+bit (tests/test_cpu_fused.py; GGUF blocks: tests/test_quant_fused.py). Gemma 3's
+layer-by-layer path is torch's ops, so there the two agree to rounding
+(tests/test_fused_gemma3.py; both are held to transformers in test_family_gemma3).
 ``PAGEDSERVE_CPU_FUSED_LAYERS=0`` turns it off.
 
 A stack holds the addresses of the weights, pools and fp8 scales it was built
@@ -16,6 +18,7 @@ points at the same ones (the runner sets backends and scales after building).
 """
 from __future__ import annotations
 
+import ctypes
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +30,8 @@ from pagedserve.gpuworker.cpu_gemm import Layout, PackedWeight
 from pagedserve.gpuworker.layers import AttentionMetadata
 from pagedserve.kernels import cpu_build
 from pagedserve.kernels.cpu_attention import DTYPE_CODES, kv_code
-from pagedserve.kernels.cpu_layers import MAX_PARTS, LayerPtrs, Linear, StackArgs, addr, llama_stack, table_addr
+from pagedserve.kernels.cpu_layers import (MAX_PARTS, GroupPtrs, LayerPtrs, Linear, StackArgs, addr, llama_stack,
+                                            table_addr)
 from pagedserve.kernels.quant import packed_parts
 
 ENV = "CPU_FUSED_LAYERS"
@@ -56,26 +60,54 @@ def _linear(linear: Any, dtype: torch.dtype) -> Linear | None:
     return Linear(data=(addr(p.data),), bias=addr(linear.bias), parts=0)
 
 
+def _gemma(model: Any) -> bool:
+    """Gemma 3's layer: sandwich norms, float32 (1 + w) norm weights, GELU-tanh, RoPE per layer kind."""
+    return getattr(model, "fused_kind", "llama") == "gemma3"
+
+
+def _norm_weight(norm: Any, gemma: bool) -> torch.Tensor:
+    return norm.scale() if gemma else norm.weight
+
+
+def _norms(layer: Any, gemma: bool) -> tuple[Any, ...]:
+    """(input, before the MLP, q, k, attention output, MLP output) norms; None where the layer has none."""
+    if gemma:
+        attn = layer.self_attn
+        return (layer.input_layernorm, layer.pre_feedforward_layernorm, attn.q_norm, attn.k_norm,
+                layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+    return layer.input_layernorm, layer.post_attention_layernorm, None, None, None, None
+
+
+def _rotaries(model: Any) -> list[Any]:
+    """Each layer's RoPE: Gemma 3 keeps one per layer kind."""
+    if isinstance(model.rotary, dict):
+        return [model.rotary[kind] for kind in model.layer_types]
+    return [model.rotary] * model.num_layers
+
+
 class FusedStack:
     """One model's layers over one set of KV pools, ready to run a step."""
 
-    def __init__(self, model: Any, kv_caches: Sequence[KVCache], layers: Any) -> None:
-        self.model, self.kv_caches, self.layers = model, kv_caches, layers
+    def __init__(self, model: Any, kv_caches: Sequence[KVCache], layers: Any, keep: list[torch.Tensor],
+                 num_groups: int) -> None:
+        self.model, self.kv_caches, self.layers, self.keep = model, kv_caches, layers, keep
         # The submodules looked up once: nn.Module's __getattr__ costs about 1 us a lookup.
         self.attns = [layer.self_attn.attn for layer in model.layers]
         self.linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         self.watched = self._watch()
+        self.groups = (GroupPtrs * num_groups)() if num_groups else None
         # What every step shares; run() fills in the batch.
-        dtype, k_cache, attn = model.embed_tokens.weight.dtype, kv_caches[0][0], self.attns[0]
+        dtype, k_cache, attn, gemma = model.embed_tokens.weight.dtype, kv_caches[0][0], self.attns[0], _gemma(model)
+        rotary = _rotaries(model)[0]
         self.args = StackArgs(
             dtype=DTYPE_CODES[dtype], kv_dtype=kv_code(dtype, k_cache.dtype), num_layers=model.num_layers,
             hidden=model.cfg.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=model.layers[0].mlp.down_proj.in_features, block_size=k_cache.shape[1],
-            eps=model.norm.eps, scale=attn.scale, layers=table_addr(layers), final_norm=addr(model.norm.weight),
-            cos=addr(model.rotary.cos), sin=addr(model.rotary.sin),
+            gemma=int(gemma), num_groups=num_groups, eps=model.norm.eps, scale=attn.scale, layers=table_addr(layers),
+            final_norm=addr(_norm_weight(model.norm, gemma)), cos=addr(rotary.cos), sin=addr(rotary.sin),
+            groups=None if self.groups is None else ctypes.addressof(self.groups),
         )
-
     def _watch(self) -> list[object]:
         """What a rebuild would read that the runner may swap after building: backends, scales, packings."""
         return ([a.backend for a in self.attns] + [a.k_scale for a in self.attns] + [a.v_scale for a in self.attns]
@@ -88,27 +120,41 @@ class FusedStack:
 
     @classmethod
     def build(cls, model: Any, kv_caches: Sequence[KVCache]) -> FusedStack | None:
-        dtype = model.embed_tokens.weight.dtype
+        dtype, gemma = model.embed_tokens.weight.dtype, _gemma(model)
+        rotaries = _rotaries(model)
         if (not env_flag(ENV, True) or model.embed_tokens.weight.device.type != "cpu" or dtype not in DTYPE_CODES
                 or model.embed_tokens.tp.size != 1 or len(kv_caches) != model.num_layers
-                or not (_usable(model.rotary.cos, torch.float32) and _usable(model.rotary.sin, torch.float32))
+                or not all(_usable(r.cos, torch.float32) and _usable(r.sin, torch.float32)
+                           and r.rotary_dim == model.head_dim for r in rotaries)
                 or cpu_build.load() is None):
             return None
-        eps, pool = model.norm.eps, kv_caches[0][0]
+        eps, pool, norm_dtype = model.norm.eps, kv_caches[0][0], torch.float32 if gemma else dtype
         ptrs = (LayerPtrs * model.num_layers)()
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_caches)):
+        keep: list[torch.Tensor] = []  # Gemma's (1 + w) tensors, which the norms would otherwise own alone
+        groups = [layer.self_attn.attn.kv_group for layer in model.layers]
+        num_groups = 0 if all(g is None for g in groups) else max(g or 0 for g in groups) + 1
+        for i, (layer, (k_cache, v_cache), rotary) in enumerate(zip(model.layers, kv_caches, rotaries)):
             attn, mlp = layer.self_attn, layer.mlp
             packs = [_linear(m, dtype) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if (attn.attn.backend.name != "torch" or attn.attn.extras or attn.attn.sinks is not None or None in packs or kv_code(dtype, pool.dtype) is None
+            norms = _norms(layer, gemma)
+            weights = [None if n is None else _norm_weight(n, gemma) for n in norms]
+            extras = attn.attn.extras
+            if gemma and mlp.approximate != "tanh":
+                return None  # the stack's GELU is the tanh one (every released Gemma 3)
+            if (attn.attn.backend.name != "torch" or set(extras) - {"sliding_window"} or attn.attn.sinks is not None
+                    or None in packs or kv_code(dtype, pool.dtype) is None
                     or any(c.dtype != pool.dtype or c.shape[1:] != (pool.shape[1], attn.num_kv_heads, attn.head_dim)
                            or not _usable(c, pool.dtype) for c in (k_cache, v_cache))
-                    or any(n.eps != eps or not _usable(n.weight, dtype) for n in norms)
+                    or any(n is not None and (n.eps != eps or not _usable(w, norm_dtype)) for n, w in zip(norms, weights))
                     or not (_usable(attn.attn.k_scale, torch.float32) and _usable(attn.attn.v_scale, torch.float32))):
                 return None
-            ptrs[i] = LayerPtrs(addr(norms[0].weight), addr(norms[1].weight), *packs, addr(k_cache), addr(v_cache),
-                                addr(attn.attn.k_scale), addr(attn.attn.v_scale))
-        return cls(model, kv_caches, ptrs)
+            keep += [w for w in weights if w is not None]
+            ptrs[i] = LayerPtrs(*map(addr, weights[:2]), *packs, addr(k_cache), addr(v_cache),
+                                addr(attn.attn.k_scale), addr(attn.attn.v_scale), *map(addr, weights[2:]),
+                                addr(rotary.cos), addr(rotary.sin), extras.get("sliding_window", 0),
+                                attn.attn.kv_group or 0)
+        keep.append(_norm_weight(model.norm, gemma))
+        return cls(model, kv_caches, ptrs, keep, num_groups)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The final norm's output for embeddings ``x`` [tokens, hidden] (which end as the residual stream)."""
@@ -120,5 +166,14 @@ class FusedStack:
         a.tokens, a.num_seqs, a.table_stride = x.shape[0], lens.numel(), tables.shape[1]
         a.positions, a.slots, a.block_tables, a.seq_lens, a.query_start_loc = map(addr, (pos, slots, tables, lens, qsl))
         a.x, a.out = addr(x), addr(out)
+        held = []  # each group's tables and slots, alive through the call
+        if self.groups is not None:
+            if meta.groups is None or len(meta.groups) != len(self.groups):
+                raise ValueError(f"the stack reads {len(self.groups)} KV groups; the step has "
+                                 f"{0 if meta.groups is None else len(meta.groups)}")
+            for g, gm in zip(self.groups, meta.groups):
+                t, sl = gm.block_tables.to(torch.int32).contiguous(), gm.slot_mapping.to(torch.int64).contiguous()
+                held += [t, sl]
+                g.slots, g.block_tables, g.table_stride = addr(sl), addr(t), t.shape[1]
         llama_stack(a)
         return out

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.gpuworker.cpu_fused import FusedStack
 from pagedserve.gpuworker.distributed import SINGLE, TPGroup, head_range, split_range
 from pagedserve.gpuworker.layers import AttentionMetadata, PagedAttention, RotaryEmbedding, layer_sliding_window
 from pagedserve.gpuworker.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, qkv_linear
@@ -149,6 +150,7 @@ class Gemma3ForCausalLM(nn.Module):
     """Gemma 3 text models (270M, 1B; the text stack of the larger ones)."""
 
     quantized_weights = True  # load_checkpoint takes GGUF blocks as they are
+    fused_kind = "gemma3"  # the compiled CPU stack's layer (cpu_fused.py)
 
     def __init__(self, cfg: Any, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -173,6 +175,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if self.tie else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary: dict[str, RotaryEmbedding] = {}  # per layer type, built after weights are materialized
+        self.fused: FusedStack | None = None  # the CPU stack in one call, for the pools it was built over
 
     def init_buffers(self, max_position: int, device: torch.device) -> None:
         self.rotary = {kind: RotaryEmbedding(self.head_dim, max_position, p).to(device) for kind, p in rope_params(self.cfg).items()}
@@ -187,6 +190,10 @@ class Gemma3ForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
         x = self.embed(input_ids)
+        if self.fused is None or not self.fused.current(kv_caches):
+            self.fused = FusedStack.build(self, kv_caches)
+        if self.fused is not None:
+            return self.fused.run(x, positions, meta)
         for layer, kind, kv_cache in zip(self.layers, self.layer_types, kv_caches):
             x = layer(positions, x, self.rotary[kind], kv_cache, meta)
         return self.norm(x)

@@ -1,9 +1,9 @@
-"""The Llama decoder stack in one compiled call (``cpu_model.cpp``): the same
+"""The Llama (and Gemma 3) decoder stack in one compiled call (``cpu_model.cpp``): the same
 kernels as the per-op path (``cpu_ops.py``, ``cpu_attention.py``), in the
 same order, so its output is bit for bit theirs, without a Python and ctypes
 round trip per op.
 
-``Linear``, ``LayerPtrs`` and ``StackArgs`` mirror the C structs field for field. The
+``Linear``, ``LayerPtrs``, ``GroupPtrs`` and ``StackArgs`` mirror the C structs field for field. The
 caller (``gpuworker/cpu_fused.py``) checks every tensor's dtype, device and
 layout before it hands their addresses over; this module only marshals.
 """
@@ -30,19 +30,30 @@ MAX_PARTS = 3  # Linear's quantized parts (q/k/v of three types at most)
 
 
 class LayerPtrs(ctypes.Structure):
-    """One decoder layer: norm weights, its four linears, the layer's K/V pool and its fp8 scales."""
+    """One decoder layer: norm weights, its four linears, the layer's K/V pool and its fp8 scales;
+    Gemma 3's extra norms (None: none), this layer's RoPE tables (None: the stack's), its sliding
+    window (0: none) and the KV group it reads."""
 
     _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
-                ("down", Linear), ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p)]
+                ("down", Linear), ("k_cache", _p), ("v_cache", _p), ("k_scale", _p), ("v_scale", _p),
+                ("q_norm", _p), ("k_norm", _p), ("attn_out_norm", _p), ("mlp_out_norm", _p), ("cos", _p), ("sin", _p),
+                ("window", _i), ("group", _i)]
+
+
+class GroupPtrs(ctypes.Structure):
+    """One KV cache group's slot mapping and block tables for this step."""
+
+    _fields_ = [("slots", _p), ("block_tables", _p), ("table_stride", ctypes.c_int64)]
 
 
 class StackArgs(ctypes.Structure):
     _fields_ = [
         *[(name, _i) for name in ("dtype", "kv_dtype", "num_layers", "tokens", "hidden", "heads", "kv_heads",
-                                  "head_dim", "intermediate", "num_seqs", "block_size", "table_stride")],
+                                  "head_dim", "intermediate", "num_seqs", "block_size", "table_stride", "gemma",
+                                  "num_groups")],
         ("eps", _f), ("scale", _f),
         *[(name, _p) for name in ("layers", "final_norm", "positions", "slots", "cos", "sin", "block_tables",
-                                  "seq_lens", "query_start_loc", "x", "out")],
+                                  "seq_lens", "query_start_loc", "x", "out", "groups")],
     ]
 
 

@@ -1,6 +1,8 @@
 // A Llama-family decoder stack in one call: every layer's norms, linears,
 // RoPE + cache write, paged attention and SiLU-and-mul (linears over bf16/fp32
-// panels or GGUF blocks, per layer), by the same entry
+// panels or GGUF blocks, per layer); and Gemma 3's, whose layers add per-head
+// q/k norms, norms on each sublayer's output, GELU-tanh, float32 (1 + w) norm
+// weights, and sliding layers with their own RoPE and KV group. By the same entry
 // points the per-op Python path calls (so the result is bit for bit that
 // path's), without a Python and ctypes round trip per op. At one to a few
 // sequences those round trips were about a quarter of a SmolLM2 decode step
@@ -24,6 +26,16 @@ int pagedserve_paged_attention(int dtype, int kv_dtype, const void* q, const voi
                                int table_stride, int64_t q_stride, float scale, const float* k_scale,
                                const float* v_scale);
 int pagedserve_silu_and_mul(int dtype, const void* x, void* out, int rows, int width);
+int pagedserve_gelu_tanh_and_mul(int dtype, const void* x, void* out, int rows, int width);
+int pagedserve_add_rms_norm_f32w(int dtype, void* x, void* residual, const float* weight, void* out, int rows,
+                                 int hidden, float eps);
+int pagedserve_head_norms(int dtype, void* qkv, int64_t stride, int tokens, int heads, int kv_heads, int head_dim,
+                          const void* q_weight, const void* k_weight, int weight_f32, float eps);
+int pagedserve_paged_attention_ex(int dtype, int kv_dtype, const void* q, const void* k_cache, const void* v_cache,
+                                  const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start_loc,
+                                  void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                                  int table_stride, int64_t q_stride, float scale, const float* k_scale,
+                                  const float* v_scale, int window, float softcap);
 int pagedserve_quant_linear_parts(int dtype, const void* x, const void* bias, void* y, int64_t M, int64_t K,
                                   int parts, const int32_t* qtypes, const uint8_t* const* packed,
                                   const int64_t* rows);
@@ -45,12 +57,28 @@ struct Linear {
 // One decoder layer's tensors. Field order is kernels/cpu_layers.py's LayerPtrs.
 struct LayerPtrs {
   const void* input_norm;
-  const void* post_norm;
+  const void* post_norm;  // the norm before the MLP
   Linear qkv, o, gate_up, down;
   void* k_cache;
   void* v_cache;
   const float* k_scale;
   const float* v_scale;
+  // Gemma 3 (null: none): per-head norms on q and k; norms on the attention's and the MLP's output
+  const void* q_norm;
+  const void* k_norm;
+  const void* attn_out_norm;
+  const void* mlp_out_norm;
+  const float* cos;  // this layer's RoPE tables (null: the stack's)
+  const float* sin;
+  int32_t window;  // sliding window (0: full attention)
+  int32_t group;   // the KV group whose slots and block tables it reads (StackArgs.groups)
+};
+
+// One KV cache group's view of the batch (a hybrid model's sliding layers free their old blocks).
+struct GroupPtrs {
+  const int64_t* slots;
+  const int32_t* block_tables;
+  int64_t table_stride;
 };
 
 // y [M][N] = x [M][K] . W^T (+ bias) by the kernel the layer-by-layer path calls for w.
@@ -68,6 +96,8 @@ struct StackArgs {
   int32_t dtype, kv_dtype, num_layers, tokens;
   int32_t hidden, heads, kv_heads, head_dim, intermediate;
   int32_t num_seqs, block_size, table_stride;
+  int32_t gemma;  // 1: Gemma 3's norms (float32 weights) and GELU-tanh; 0: Llama's norms and SiLU
+  int32_t num_groups;
   float eps, scale;
   const LayerPtrs* layers;
   const void* final_norm;
@@ -80,6 +110,7 @@ struct StackArgs {
   const int32_t* query_start_loc;
   void* x;    // [tokens, hidden]: the embeddings in; the residual stream, updated in place
   void* out;  // [tokens, hidden]: the final norm's output
+  const GroupPtrs* groups;  // num_groups of them (0: every layer reads slots and block_tables above)
 };
 
 // The step's activations, kept between calls at the largest step's size
@@ -101,13 +132,20 @@ struct Workspace {
 
 thread_local Workspace workspace;
 
+// The norm kind of the stack: Llama's (weights in dtype) or Gemma's (float32 (1 + w)).
+int norm(const StackArgs* a, void* x, void* residual, const void* w, void* out) {
+  const int64_t T = a->tokens, H = a->hidden;
+  if (a->gemma) return pagedserve_add_rms_norm_f32w(a->dtype, x, residual, static_cast<const float*>(w), out, T, H, a->eps);
+  return pagedserve_add_rms_norm(a->dtype, x, residual, w, out, T, H, a->eps);
+}
+
 }  // namespace
 
 extern "C" {
 
-// Runs the decoder stack: for each layer, (residual, h) = add_norm; qkv; RoPE
-// and cache write; attention; o; add_norm; gate_up; silu*mul; down; then the
-// final add_norm into out. Returns 0, a kernel's positive code, or 9 when the
+// Runs the decoder stack: for each layer, (residual, h) = add_norm; qkv; [q/k norms;]
+// RoPE and cache write; attention; o; [norm;] add_norm; gate_up; act*mul; down; [norm;]
+// then the final add_norm into out. Returns 0, a kernel's positive code, 9 when the
 // workspace cannot be allocated.
 int pagedserve_llama_stack(const StackArgs* a) {
   const int64_t T = a->tokens, H = a->hidden, D = a->head_dim, I = a->intermediate;
@@ -130,28 +168,39 @@ int pagedserve_llama_stack(const StackArgs* a) {
   int rc = 0;
   for (int l = 0; l < a->num_layers; ++l) {
     const LayerPtrs& w = a->layers[l];
+    if (w.group < 0 || (a->num_groups > 0 ? w.group >= a->num_groups : w.group != 0)) return 1;
+    const GroupPtrs g = a->num_groups > 0 ? a->groups[w.group] : GroupPtrs{a->slots, a->block_tables, a->table_stride};
     if (residual == nullptr) {
-      rc = pagedserve_add_rms_norm(dt, a->x, nullptr, w.input_norm, h, T, H, a->eps);
+      rc = norm(a, a->x, nullptr, w.input_norm, h);
       residual = a->x;
     } else {
-      rc = pagedserve_add_rms_norm(dt, y, residual, w.input_norm, h, T, H, a->eps);
+      rc = norm(a, y, residual, w.input_norm, h);
     }
     if (rc) return rc;
     if ((rc = run_linear(dt, w.qkv, h, qkv, T, qkv_width, H))) return rc;
-    if ((rc = pagedserve_rope_and_cache(dt, a->kv_dtype, qkv, qkv_width, T, a->heads, a->kv_heads, D, a->positions,
-                                        a->cos, a->sin, w.k_cache, w.v_cache, a->slots, w.k_scale, w.v_scale)))
+    if (w.q_norm != nullptr &&
+        (rc = pagedserve_head_norms(dt, qkv, qkv_width, T, a->heads, a->kv_heads, D, w.q_norm, w.k_norm, a->gemma,
+                                    a->eps)))
       return rc;
-    if ((rc = pagedserve_paged_attention(dt, a->kv_dtype, qkv, w.k_cache, w.v_cache, a->block_tables, a->seq_lens,
-                                         a->query_start_loc, attn, a->num_seqs, a->heads, a->kv_heads, D,
-                                         a->block_size, a->table_stride, qkv_width, a->scale, w.k_scale, w.v_scale)))
+    if ((rc = pagedserve_rope_and_cache(dt, a->kv_dtype, qkv, qkv_width, T, a->heads, a->kv_heads, D, a->positions,
+                                        w.cos != nullptr ? w.cos : a->cos, w.sin != nullptr ? w.sin : a->sin,
+                                        w.k_cache, w.v_cache, g.slots, w.k_scale, w.v_scale)))
+      return rc;
+    if ((rc = pagedserve_paged_attention_ex(dt, a->kv_dtype, qkv, w.k_cache, w.v_cache, g.block_tables, a->seq_lens,
+                                            a->query_start_loc, attn, a->num_seqs, a->heads, a->kv_heads, D,
+                                            a->block_size, static_cast<int>(g.table_stride), qkv_width, a->scale,
+                                            w.k_scale, w.v_scale, w.window, 0.0f)))
       return rc;
     if ((rc = run_linear(dt, w.o, attn, y, T, H, q_width))) return rc;
-    if ((rc = pagedserve_add_rms_norm(dt, y, residual, w.post_norm, h, T, H, a->eps))) return rc;
+    if (w.attn_out_norm != nullptr && (rc = norm(a, y, nullptr, w.attn_out_norm, y))) return rc;
+    if ((rc = norm(a, y, residual, w.post_norm, h))) return rc;
     if ((rc = run_linear(dt, w.gate_up, h, gate_up, T, 2 * I, H))) return rc;
-    if ((rc = pagedserve_silu_and_mul(dt, gate_up, act, T, I))) return rc;
+    rc = a->gemma ? pagedserve_gelu_tanh_and_mul(dt, gate_up, act, T, I) : pagedserve_silu_and_mul(dt, gate_up, act, T, I);
+    if (rc) return rc;
     if ((rc = run_linear(dt, w.down, act, y, T, H, I))) return rc;
+    if (w.mlp_out_norm != nullptr && (rc = norm(a, y, nullptr, w.mlp_out_norm, y))) return rc;
   }
-  return pagedserve_add_rms_norm(dt, y, residual, a->final_norm, a->out, T, H, a->eps);
+  return norm(a, y, residual, a->final_norm, a->out);
 }
 
 }  // extern "C"

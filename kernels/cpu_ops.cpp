@@ -19,9 +19,11 @@ using namespace pagedserve_cpu;
 constexpr int PARALLEL_ROWS = 32;  // below this, one thread: the fork costs more than the rows
 
 // out = weight * rmsnorm(x + residual); the sum is written to residual.
-// Without a residual, x itself is normalised (and left as it is).
-template <typename T>
-void add_rms_norm(T* x, T* residual, const T* weight, T* out, int rows, int hidden, float eps) {
+// Without a residual, x itself is normalised (and left as it is; out may be x).
+// W == T: Llama's norm, rounded to T before the weight multiplies in T. W float
+// with T bf16: Gemma's, whose float32 (1 + weight) multiplies before one rounding.
+template <typename T, typename W = T>
+void add_rms_norm(T* x, T* residual, const W* weight, T* out, int rows, int hidden, float eps) {
 #pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
   for (int r = 0; r < rows; ++r) {
     T* xr = x + static_cast<int64_t>(r) * hidden;
@@ -35,7 +37,25 @@ void add_rms_norm(T* x, T* residual, const T* weight, T* out, int rows, int hidd
     for (int i = 0; i < hidden; ++i) ss += load(src + i) * load(src + i);
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(hidden) + eps);
     T* o = out + static_cast<int64_t>(r) * hidden;
-    for (int i = 0; i < hidden; ++i) store(o + i, load(weight + i) * round_as(o, load(src + i) * inv));
+    if constexpr (std::is_same_v<W, T>) {
+      for (int i = 0; i < hidden; ++i) store(o + i, load(weight + i) * round_as(o, load(src + i) * inv));
+    } else {
+      for (int i = 0; i < hidden; ++i) store(o + i, load(src + i) * inv * weight[i]);
+    }
+  }
+}
+
+// Per-head RMSNorm of q and k in place (Gemma 3, Qwen3: before RoPE), rows of
+// qkv [tokens, stride] as rope_and_cache reads them.
+template <typename T, typename W>
+void head_norms(T* qkv, int64_t stride, int tokens, int heads, int kv_heads, int head_dim, const W* q_weight,
+                const W* k_weight, float eps) {
+#pragma omp parallel for if (tokens >= PARALLEL_ROWS) schedule(static)
+  for (int t = 0; t < tokens; ++t) {
+    T* q = qkv + t * stride;
+    T* k = q + static_cast<int64_t>(heads) * head_dim;
+    add_rms_norm<T, W>(q, nullptr, q_weight, q, heads, head_dim, eps);
+    add_rms_norm<T, W>(k, nullptr, k_weight, k, kv_heads, head_dim, eps);
   }
 }
 
@@ -125,6 +145,25 @@ void silu_and_mul(const T* x, T* out, int rows, int width) {
   }
 }
 
+// out[r] = gelu_tanh(x[r, :width]) * x[r, width:] (Gemma's MLP), rounded after the GELU as torch does.
+template <typename T>
+void gelu_tanh_and_mul(const T* x, T* out, int rows, int width) {
+#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
+  for (int r = 0; r < rows; ++r) {
+    const FlushDenormals ftz;
+    const T* gate = x + static_cast<int64_t>(r) * 2 * width;
+    const T* up = gate + width;
+    T* o = out + static_cast<int64_t>(r) * width;
+#pragma omp simd
+    for (int i = 0; i < width; ++i) {
+      const float g = load(gate + i);
+      const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2 / pi)
+      const float th = 1.0f - 2.0f / (1.0f + exp_any(2.0f * inner));        // tanh(inner)
+      store(o + i, round_as(o, 0.5f * g * (1.0f + th)) * load(up + i));
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -166,6 +205,54 @@ int pagedserve_silu_and_mul(int dtype, const void* x, void* out, int rows, int w
     silu_and_mul(static_cast<const float*>(x), static_cast<float*>(out), rows, width);
   } else if (dtype == 1) {
     silu_and_mul(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, width);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
+// Gemma's (1 + weight) norm: weight float32, multiplied before the one rounding (add_rms_norm above).
+int pagedserve_add_rms_norm_f32w(int dtype, void* x, void* residual, const float* weight, void* out, int rows,
+                                 int hidden, float eps) {
+  if (rows < 0 || hidden <= 0) return 1;
+  if (dtype == 0) {
+    add_rms_norm<float, float>(static_cast<float*>(x), static_cast<float*>(residual), weight, static_cast<float*>(out),
+                               rows, hidden, eps);
+  } else if (dtype == 1) {
+    add_rms_norm<uint16_t, float>(static_cast<uint16_t*>(x), static_cast<uint16_t*>(residual), weight,
+                                  static_cast<uint16_t*>(out), rows, hidden, eps);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
+// weight_f32: 0, the weights are in dtype (Llama's norm); 1, float32 (Gemma's).
+int pagedserve_head_norms(int dtype, void* qkv, int64_t stride, int tokens, int heads, int kv_heads, int head_dim,
+                          const void* q_weight, const void* k_weight, int weight_f32, float eps) {
+  if (tokens < 0 || heads <= 0 || kv_heads <= 0 || head_dim <= 0) return 1;
+  if (stride < static_cast<int64_t>(heads + 2 * kv_heads) * head_dim) return 1;
+  if (dtype == 0) {
+    head_norms(static_cast<float*>(qkv), stride, tokens, heads, kv_heads, head_dim,
+               static_cast<const float*>(q_weight), static_cast<const float*>(k_weight), eps);
+  } else if (dtype == 1 && weight_f32) {
+    head_norms(static_cast<uint16_t*>(qkv), stride, tokens, heads, kv_heads, head_dim,
+               static_cast<const float*>(q_weight), static_cast<const float*>(k_weight), eps);
+  } else if (dtype == 1) {
+    head_norms(static_cast<uint16_t*>(qkv), stride, tokens, heads, kv_heads, head_dim,
+               static_cast<const uint16_t*>(q_weight), static_cast<const uint16_t*>(k_weight), eps);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
+int pagedserve_gelu_tanh_and_mul(int dtype, const void* x, void* out, int rows, int width) {
+  if (rows < 0 || width <= 0) return 1;
+  if (dtype == 0) {
+    gelu_tanh_and_mul(static_cast<const float*>(x), static_cast<float*>(out), rows, width);
+  } else if (dtype == 1) {
+    gelu_tanh_and_mul(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, width);
   } else {
     return 2;
   }

@@ -78,6 +78,50 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
+def gemma_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``add_rms_norm`` with Gemma's float32 (1 + w) ``weight``, multiplied before the one rounding."""
+    code = _code(x) if residual is None else _code(x, residual)
+    if code is None or x.dim() != 2 or weight.dtype != torch.float32 or not weight.is_contiguous():
+        return None
+    out = torch.empty_like(x)
+    rc = cpu_build.load().pagedserve_add_rms_norm_f32w(
+        code, x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        x.shape[0], x.shape[1], eps)
+    if rc != 0:
+        raise ValueError(f"gemma_rms_norm: bad shapes (code {rc})")
+    return out, (x if residual is None else residual)
+
+
+def head_norms(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor,
+               k_weight: torch.Tensor, eps: float) -> bool:
+    """Each q and k head of ``qkv`` (rows as ``rope_and_cache`` reads them) RMS-normed in place: float32
+    weights as Gemma's norm, weights in qkv's dtype as Llama's. False: not done, nothing changed."""
+    code = _code(q_weight, k_weight)
+    f32w = q_weight.dtype == torch.float32 and qkv.dtype != torch.float32
+    if (qkv.device.type != "cpu" or qkv.dtype not in DTYPE_CODES or qkv.stride(1) != 1
+            or (code is None and not f32w) or cpu_build.load() is None):
+        return False
+    rc = cpu_build.load().pagedserve_head_norms(DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), qkv.shape[0],
+                                                num_heads, num_kv_heads, head_dim, q_weight.data_ptr(),
+                                                k_weight.data_ptr(), int(q_weight.dtype == torch.float32), eps)
+    if rc != 0:
+        raise ValueError(f"head_norms: bad shapes (code {rc})")
+    return True
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """gelu(x[:, :w], approximate="tanh") * x[:, w:] for x [rows, 2w]."""
+    code = _code(x)
+    if code is None or x.dim() != 2 or x.shape[1] % 2 != 0:
+        return None
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    rc = cpu_build.load().pagedserve_gelu_tanh_and_mul(code, x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1] // 2)
+    if rc != 0:
+        raise ValueError(f"gelu_tanh_and_mul: bad shapes (code {rc})")
+    return out
+
+
 PANEL = 16  # output features per panel (cpu_linear.cpp's LANES)
 
 

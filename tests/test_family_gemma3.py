@@ -1,7 +1,8 @@
 """Gemma 3 text (gpuworker/gemma3.py) through the worker's paged forward,
 against transformers' Gemma3ForCausalLM on the same seeded tiny checkpoints:
 6 layers, 5 sliding (window 16) + 1 full, prompts shorter and longer than
-the window, chunked prefill and decodes; softcapping, rope scaling on the
+the window, chunked prefill and decodes, through the compiled CPU stack and
+layer by layer; softcapping, rope scaling on the
 full layers, untied head; bf16; the Triton kernels in the interpreter; and a
 real Gemma 3 270M config built on the meta device."""
 from __future__ import annotations
@@ -19,6 +20,7 @@ from test_worker import GREEDY, Driver, assert_logits_close, check_chunks_and_de
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 from pagedserve.common.config import EngineConfig
+from pagedserve.gpuworker import cpu_fused
 from pagedserve.gpuworker.distributed import TPGroup
 from pagedserve.gpuworker.gemma3 import FULL, SLIDING, Gemma3ForCausalLM, rope_params
 from pagedserve.gpuworker.model_runner import ModelRunner
@@ -54,13 +56,18 @@ def hf_model(folder: str, **kw: Any) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).eval()
 
 
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["stack", "layers"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_gemma3_prefill_chunk_and_decode_match_transformers(variant: str, tmp_path: Path) -> None:
+def test_gemma3_prefill_chunk_and_decode_match_transformers(variant: str, fused: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled CPU stack (cpu_fused.py) and the layer-by-layer torch path, each against transformers."""
+    monkeypatch.setenv("PAGEDSERVE_" + cpu_fused.ENV, fused)
     folder = gemma_checkpoint(tmp_path, **VARIANTS[variant])
     hf = hf_model(folder)
     runner = make_runner(folder)
     assert isinstance(runner.model, Gemma3ForCausalLM)
     check_chunks_and_decodes(runner, hf, [7, 40, 23], chunk=20, decodes=5)  # shorter than the window, and longer
+    assert (runner.model.fused is not None) == (fused == "1")  # the path named ran, not a silent fallback
 
 
 def test_transformers_applies_final_softcap_and_ignores_attention_softcap(tmp_path: Path) -> None:
@@ -78,10 +85,12 @@ def test_transformers_applies_final_softcap_and_ignores_attention_softcap(tmp_pa
         torch.testing.assert_close(capped, 3.0 * torch.tanh(raw / 3.0))
 
 
-def test_gemma3_bfloat16_within_bf16_bounds(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["stack", "layers"])
+def test_gemma3_bfloat16_within_bf16_bounds(fused: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ours in bf16 is as far from transformers in float32 as transformers' own
     bf16 forward is (sqrt(hidden) rounded to bf16, norms in float32, ...)."""
-    folder = gemma_checkpoint(tmp_path)
+    monkeypatch.setenv("PAGEDSERVE_" + cpu_fused.ENV, fused)
+    folder = gemma_checkpoint(tmp_path, intermediate_size=72)  # bf16 panels need an even K (71 runs F.linear)
     hf32 = hf_model(folder)
     hf16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     runner = ModelRunner(EngineConfig(model=folder, device="cpu", dtype="bfloat16", block_size=8, num_gpu_blocks=64), keep_logits=True)
@@ -102,6 +111,7 @@ def test_gemma3_bfloat16_within_bf16_bounds(tmp_path: Path) -> None:
             ours_err = max(ours_err, (runner.last_logits[i] - ref).abs().max().item() / scale)
             hf_err = max(hf_err, (hf_logits(hf16, d.tokens[i][:-1])[-1] - ref).abs().max().item() / scale)
     assert 1e-6 < ours_err < max(2 * hf_err, 2e-2), f"ours {ours_err:.2e}, transformers bf16 {hf_err:.2e}"
+    assert (runner.model.fused is not None) == (fused == "1")
 
 
 def test_gemma3_triton_backend_matches_transformers(tmp_path: Path) -> None:
