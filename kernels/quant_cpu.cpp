@@ -652,43 +652,28 @@ int pagedserve_quant_linear_parts(int dtype, const void* x, const void* bias, vo
   // fp32 activations get two int8 terms, x = q1 d1 + q2 d2 (the second quantizes what the first
   // rounded off), so about 15 bits each instead of 8: the same tiles run 2M rows over one read of
   // the weight. bf16 activations carry 8 bits already, and one term matches them.
-  static const bool bf16_two = [] { const char* e = std::getenv("PAGEDSERVE_QUANT_BF16_TWO"); return e && e[0] == '1'; }();
-  const bool two_terms = dtype == 0 || bf16_two;
-  const int64_t MR = two_terms ? 2 * M : M;
+  const int64_t MR = dtype == 0 ? 2 * M : M;
   static thread_local std::vector<int8_t> q;
-  static thread_local std::vector<float> d, s, two, xf;
+  static thread_local std::vector<float> d, s, two;
   q.resize(MR * K);
   d.resize(MR * K / 32);
   s.resize(MR * K / 16);
   pagedserve_quant_act(dtype, x, M, K, q.data(), d.data(), s.data());
-  if (two_terms) {
-    const float* x32 = static_cast<const float*>(x);
-    if (dtype == 1) {
-      xf.resize(M * K);
-      const uint16_t* xb = static_cast<const uint16_t*>(x);
-      for (int64_t i = 0; i < M * K; ++i) xf[i] = load(xb + i);
-      x32 = xf.data();
-    }
-    residual_rows(x32, M, K, q.data(), d.data(), q.data() + M * K, d.data() + M * K / 32, s.data() + M * K / 16);
+  if (dtype == 0) {
+    residual_rows(static_cast<const float*>(x), M, K, q.data(), d.data(), q.data() + M * K, d.data() + M * K / 32,
+                  s.data() + M * K / 16);
     two.resize(MR * N);
   }
   const Act a{q.data(), d.data(), s.data(), K};
   int64_t off = 0;
   for (int p = 0; p < parts; off += rows[p], ++p) {
-    if (two_terms)
+    if (dtype == 0)
       dispatch(qtypes[p], a, packed[p], static_cast<const float*>(nullptr), two.data() + off, MR, rows[p], N);
     else
       dispatch(qtypes[p], a, packed[p], bias ? static_cast<const uint16_t*>(bias) + off : nullptr,
                static_cast<uint16_t*>(y) + off, M, rows[p], N);
   }
   if (dtype == 0) add_terms(two.data(), static_cast<const float*>(bias), static_cast<float*>(y), M, N);
-  if (dtype == 1 && two_terms) {
-    const uint16_t* b16 = static_cast<const uint16_t*>(bias);
-    uint16_t* y16 = static_cast<uint16_t*>(y);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n)
-        store(y16 + m * N + n, two[m * N + n] + two[(M + m) * N + n] + (b16 ? load(b16 + n) : 0.0f));
-  }
 #endif
   return 0;
 }
