@@ -50,9 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "gpuworker":
-        from pagedserve.gpuworker.cpu_affinity import bind_worker_threads
+        from pagedserve.gpuworker.cpu_affinity import bind_worker_threads, short_spin
 
         bind_worker_threads(rest)  # before torch is imported
+        short_spin()
         refused = _worker_refusal(rest)
         if refused:
             print(f"pagedserve gpuworker: error: {refused}", file=sys.stderr, flush=True)

@@ -224,3 +224,28 @@ def others_load(cores: list[int], span_s: float = 1.0) -> float:
     t0, b0, own0 = time.monotonic(), busy(), time.process_time()
     time.sleep(span_s)
     return (busy() - b0 - (time.process_time() - own0)) / (time.monotonic() - t0)
+
+
+# The worker command up to its first check after the environment is set (before torch loads).
+_SPIN_PROBE = ("import os, sys\n"
+               "import pagedserve.cli as cli\n"
+               "cli._worker_refusal = lambda rest: print('SPIN', os.environ.get('GOMP_SPINCOUNT')) or 'probe'\n"
+               "sys.exit(cli.main(['gpuworker', '--model', 'm', '--device', 'cpu']))\n")
+
+
+@pytest.mark.parametrize("user", [None, "300000"])
+def test_the_worker_command_shortens_the_openmp_spin_unless_the_deployment_set_one(user: str | None) -> None:
+    """A worker's threads spin 10,000 rounds, not libgomp's 300,000, after a parallel region
+    (cpu_affinity.short_spin: the spin held the core the scheduler and frontend needed between
+    steps); a deployment's own GOMP_SPINCOUNT or OMP_WAIT_POLICY is left as it is."""
+    from pagedserve.gpuworker.cpu_affinity import SPIN_ROUNDS
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    if user is not None:
+        env["GOMP_SPINCOUNT"] = user
+    out = subprocess.run([sys.executable, "-c", _SPIN_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert f"SPIN {user or SPIN_ROUNDS}" in out.stdout, (out.stdout, out.stderr[-2000:])
+    env.pop("GOMP_SPINCOUNT", None)
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    out = subprocess.run([sys.executable, "-c", _SPIN_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert "SPIN None" in out.stdout, (out.stdout, out.stderr[-2000:])
