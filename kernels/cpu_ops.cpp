@@ -128,9 +128,10 @@ int rope_and_cache_kv(int kv_dtype, T* qkv, int64_t stride, int tokens, int head
   }
 }
 
-// out[r] = silu(x[r, :width]) * x[r, width:]; x: [rows, 2 * width].
-template <typename T>
-void silu_and_mul(const T* x, T* out, int rows, int width) {
+// out[r] = act(x[r, :width]) * x[r, width:]; x: [rows, 2 * width]. act: SiLU (Llama), or GELU-tanh
+// (Gemma), each rounded before the product as torch rounds it.
+template <bool GELU, typename T>
+void gated_rows(const T* x, T* out, int rows, int width) {
 #pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
   for (int r = 0; r < rows; ++r) {
     const FlushDenormals ftz;  // per row: each OpenMP thread has its own mode
@@ -140,28 +141,27 @@ void silu_and_mul(const T* x, T* out, int rows, int width) {
 #pragma omp simd
     for (int i = 0; i < width; ++i) {
       const float g = load(gate + i);
-      store(o + i, round_as(o, g / (1.0f + exp_any(-g))) * load(up + i));
+      float act;
+      if constexpr (GELU) {
+        const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2 / pi)
+        act = 0.5f * g * (2.0f - 2.0f / (1.0f + exp_any(2.0f * inner)));      // 1 + tanh(inner)
+      } else {
+        act = g / (1.0f + exp_any(-g));
+      }
+      store(o + i, round_as(o, act) * load(up + i));
     }
   }
 }
 
-// out[r] = gelu_tanh(x[r, :width]) * x[r, width:] (Gemma's MLP), rounded after the GELU as torch does.
-template <typename T>
-void gelu_tanh_and_mul(const T* x, T* out, int rows, int width) {
-#pragma omp parallel for if (rows >= PARALLEL_ROWS) schedule(static)
-  for (int r = 0; r < rows; ++r) {
-    const FlushDenormals ftz;
-    const T* gate = x + static_cast<int64_t>(r) * 2 * width;
-    const T* up = gate + width;
-    T* o = out + static_cast<int64_t>(r) * width;
-#pragma omp simd
-    for (int i = 0; i < width; ++i) {
-      const float g = load(gate + i);
-      const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2 / pi)
-      const float th = 1.0f - 2.0f / (1.0f + exp_any(2.0f * inner));        // tanh(inner)
-      store(o + i, round_as(o, 0.5f * g * (1.0f + th)) * load(up + i));
-    }
-  }
+// The entry points' dtype dispatch.
+int gated(int dtype, const void* x, void* out, int rows, int width, bool gelu) {
+  if (rows < 0 || width <= 0) return 1;
+  if (dtype == 0 && gelu) gated_rows<true>(static_cast<const float*>(x), static_cast<float*>(out), rows, width);
+  else if (dtype == 0) gated_rows<false>(static_cast<const float*>(x), static_cast<float*>(out), rows, width);
+  else if (dtype == 1 && gelu) gated_rows<true>(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, width);
+  else if (dtype == 1) gated_rows<false>(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, width);
+  else return 2;
+  return 0;
 }
 
 }  // namespace
@@ -200,15 +200,7 @@ int pagedserve_rope_and_cache(int dtype, int kv_dtype, void* qkv, int64_t stride
 }
 
 int pagedserve_silu_and_mul(int dtype, const void* x, void* out, int rows, int width) {
-  if (rows < 0 || width <= 0) return 1;
-  if (dtype == 0) {
-    silu_and_mul(static_cast<const float*>(x), static_cast<float*>(out), rows, width);
-  } else if (dtype == 1) {
-    silu_and_mul(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, width);
-  } else {
-    return 2;
-  }
-  return 0;
+  return gated(dtype, x, out, rows, width, false);
 }
 
 // Gemma's (1 + weight) norm: weight float32, multiplied before the one rounding (add_rms_norm above).
@@ -248,15 +240,7 @@ int pagedserve_head_norms(int dtype, void* qkv, int64_t stride, int tokens, int 
 }
 
 int pagedserve_gelu_tanh_and_mul(int dtype, const void* x, void* out, int rows, int width) {
-  if (rows < 0 || width <= 0) return 1;
-  if (dtype == 0) {
-    gelu_tanh_and_mul(static_cast<const float*>(x), static_cast<float*>(out), rows, width);
-  } else if (dtype == 1) {
-    gelu_tanh_and_mul(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, width);
-  } else {
-    return 2;
-  }
-  return 0;
+  return gated(dtype, x, out, rows, width, true);
 }
 
 }  // extern "C"

@@ -28,14 +28,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """(weight * rmsnorm(x + residual), x + residual), the sum written into
     ``residual``; without a residual, (weight * rmsnorm(x), x)."""
     code = _code(x, weight) if residual is None else _code(x, weight, residual)
-    if code is None or x.dim() != 2:
+    return None if code is None else _norm("add_rms_norm", code, x, residual, weight, eps)
+
+
+def _norm(name: str, code: int, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+          eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if x.dim() != 2:
         return None
     out = torch.empty_like(x)
-    rc = cpu_build.load().pagedserve_add_rms_norm(
+    rc = getattr(cpu_build.load(), f"pagedserve_{name}")(
         code, x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
         x.shape[0], x.shape[1], eps)
     if rc != 0:
-        raise ValueError(f"add_rms_norm: bad shapes (code {rc})")
+        raise ValueError(f"{name}: bad shapes (code {rc})")
     return out, (x if residual is None else residual)
 
 
@@ -66,31 +71,29 @@ def rope_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
     return True
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
-    """silu(x[:, :w]) * x[:, w:] for x [rows, 2w]."""
+def _gated(name: str, x: torch.Tensor) -> torch.Tensor | None:
     code = _code(x)
     if code is None or x.dim() != 2 or x.shape[1] % 2 != 0:
         return None
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
-    rc = cpu_build.load().pagedserve_silu_and_mul(code, x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1] // 2)
+    rc = getattr(cpu_build.load(), f"pagedserve_{name}")(code, x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1] // 2)
     if rc != 0:
-        raise ValueError(f"silu_and_mul: bad shapes (code {rc})")
+        raise ValueError(f"{name}: bad shapes (code {rc})")
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """silu(x[:, :w]) * x[:, w:] for x [rows, 2w]."""
+    return _gated("silu_and_mul", x)
 
 
 def gemma_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``add_rms_norm`` with Gemma's float32 (1 + w) ``weight``, multiplied before the one rounding."""
     code = _code(x) if residual is None else _code(x, residual)
-    if code is None or x.dim() != 2 or weight.dtype != torch.float32 or not weight.is_contiguous():
+    if code is None or weight.dtype != torch.float32 or not weight.is_contiguous():
         return None
-    out = torch.empty_like(x)
-    rc = cpu_build.load().pagedserve_add_rms_norm_f32w(
-        code, x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-        x.shape[0], x.shape[1], eps)
-    if rc != 0:
-        raise ValueError(f"gemma_rms_norm: bad shapes (code {rc})")
-    return out, (x if residual is None else residual)
+    return _norm("add_rms_norm_f32w", code, x, residual, weight, eps)
 
 
 def head_norms(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor,
@@ -112,14 +115,7 @@ def head_norms(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: i
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """gelu(x[:, :w], approximate="tanh") * x[:, w:] for x [rows, 2w]."""
-    code = _code(x)
-    if code is None or x.dim() != 2 or x.shape[1] % 2 != 0:
-        return None
-    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
-    rc = cpu_build.load().pagedserve_gelu_tanh_and_mul(code, x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1] // 2)
-    if rc != 0:
-        raise ValueError(f"gelu_tanh_and_mul: bad shapes (code {rc})")
-    return out
+    return _gated("gelu_tanh_and_mul", x)
 
 
 PANEL = 16  # output features per panel (cpu_linear.cpp's LANES)
