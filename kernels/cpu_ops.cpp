@@ -1,7 +1,8 @@
 // The small per-layer ops of the CPU serving path, each one pass over its
 // rows instead of the five to fifteen torch ops (and their temporaries) the
-// plain path runs: residual add + RMSNorm, rotary embedding of q and k with
-// the K/V cache write, and SiLU(gate) * up. At small batches these ops cost
+// plain path runs: residual add + RMSNorm (Llama's, or Gemma's with float32
+// (1 + w) weights), per-head q/k norms, rotary embedding of q and k with the K/V
+// cache write, and SiLU(gate) * up or GELU-tanh(gate) * up. At small batches these ops cost
 // dispatch, not arithmetic, which is what a decode step of a small model is.
 //
 // Results equal the torch path's: fp32 up to the order of a sum, and bf16 with
