@@ -167,10 +167,13 @@ class FusedStack:
         a.positions, a.slots, a.block_tables, a.seq_lens, a.query_start_loc = map(addr, (pos, slots, tables, lens, qsl))
         a.x, a.out = addr(x), addr(out)
         held = []  # each group's tables and slots, alive through the call
-        if self.groups is not None:
-            if meta.groups is None or len(meta.groups) != len(self.groups):
-                raise ValueError(f"the stack reads {len(self.groups)} KV groups; the step has "
-                                 f"{0 if meta.groups is None else len(meta.groups)}")
+        # As PagedAttention reads them: a step without per-group metadata (one group, as a model whose
+        # every layer slides: Mistral) gives every layer the step's own tables; the C side refuses a
+        # layer of another group then.
+        a.num_groups = 0 if self.groups is None or meta.groups is None else len(self.groups)
+        if a.num_groups:
+            if len(meta.groups) != len(self.groups):
+                raise ValueError(f"the stack reads {len(self.groups)} KV groups; the step has {len(meta.groups)}")
             for g, gm in zip(self.groups, meta.groups):
                 t, sl = gm.block_tables.to(torch.int32).contiguous(), gm.slot_mapping.to(torch.int64).contiguous()
                 held += [t, sl]
