@@ -9,7 +9,8 @@ a KV pool the library reads); anywhere else it
 returns None and the model runs layer by layer, with the same result bit for
 bit (tests/test_cpu_fused.py; GGUF blocks: tests/test_quant_fused.py). Gemma 3's
 layer-by-layer path is torch's ops, so there the two agree to rounding
-(tests/test_fused_gemma3.py; both are held to transformers in test_family_gemma3).
+(both are held to transformers in tests/test_family_gemma3.py; the new kernels to float64 in
+tests/test_cpu_ops_gemma.py).
 ``PAGEDSERVE_CPU_FUSED_LAYERS=0`` turns it off.
 
 A stack holds the addresses of the weights, pools and fp8 scales it was built
@@ -99,15 +100,15 @@ class FusedStack:
         self.groups = (GroupPtrs * num_groups)() if num_groups else None
         # What every step shares; run() fills in the batch.
         dtype, k_cache, attn, gemma = model.embed_tokens.weight.dtype, kv_caches[0][0], self.attns[0], _gemma(model)
-        rotary = _rotaries(model)[0]
         self.args = StackArgs(
             dtype=DTYPE_CODES[dtype], kv_dtype=kv_code(dtype, k_cache.dtype), num_layers=model.num_layers,
             hidden=model.cfg.hidden_size, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             intermediate=model.layers[0].mlp.down_proj.in_features, block_size=k_cache.shape[1],
             gemma=int(gemma), num_groups=num_groups, eps=model.norm.eps, scale=attn.scale, layers=table_addr(layers),
-            final_norm=addr(_norm_weight(model.norm, gemma)), cos=addr(rotary.cos), sin=addr(rotary.sin),
+            final_norm=addr(_norm_weight(model.norm, gemma)),
             groups=None if self.groups is None else ctypes.addressof(self.groups),
         )
+
     def _watch(self) -> list[object]:
         """What a rebuild would read that the runner may swap after building: backends, scales, packings."""
         return ([a.backend for a in self.attns] + [a.k_scale for a in self.attns] + [a.v_scale for a in self.attns]

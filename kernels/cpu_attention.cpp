@@ -309,17 +309,6 @@ int pagedserve_paged_attention_ex(int dtype, int kv_dtype, const void* q, const 
   return 2;
 }
 
-// Plain causal attention (cpu_model.cpp's Llama stack calls this one).
-int pagedserve_paged_attention(int dtype, int kv_dtype, const void* q, const void* k_cache, const void* v_cache,
-                               const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start_loc,
-                               void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                               int table_stride, int64_t q_stride, float scale, const float* k_scale,
-                               const float* v_scale) {
-  return pagedserve_paged_attention_ex(dtype, kv_dtype, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                       out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, table_stride,
-                                       q_stride, scale, k_scale, v_scale, 0, 0.0f);
-}
-
 // The groups of the shared-prefix path for a batch (tests check them): up to
 // max_groups (first sequence, end, shared blocks) triples into out; returns
 // how many there are.

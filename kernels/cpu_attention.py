@@ -46,15 +46,6 @@ def scale_ptr(scale: torch.Tensor | None) -> int:
     return scale.data_ptr()
 
 
-def _entry(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
-    """The attention entry point with the extras (window, softcap) after the plain one's arguments."""
-    fn = lib.pagedserve_paged_attention_ex
-    if fn.argtypes is None:  # set here, not in cpu_build.SIGNATURES: the plain entry point keeps its signature
-        fn.argtypes = [*cpu_build.SIGNATURES["pagedserve_paged_attention"], ctypes.c_int, ctypes.c_float]
-        fn.restype = ctypes.c_int
-    return fn
-
-
 def _int32(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Block tables, lengths and offsets as the library reads them: contiguous int32."""
     return tuple(t.to(torch.int32).contiguous() for t in tensors)
@@ -97,7 +88,7 @@ def paged_attention_cpu(
         result = torch.empty(q.shape, dtype=q.dtype)
     else:
         result = out
-    rc = _entry(lib)(
+    rc = lib.pagedserve_paged_attention_ex(
         code, kv, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         qsl.data_ptr(), result.data_ptr(), lens.numel(), q.shape[1], k_cache.shape[2], q.shape[2],
         k_cache.shape[1], tables.shape[1], q.stride(0), ctypes.c_float(scale), scale_ptr(k_scale), scale_ptr(v_scale),

@@ -41,7 +41,7 @@ DISABLE_ENV = "PAGEDSERVE_" + ENV
 _ptr, _i32, _i64, _f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # ctypes argument types of every entry point (the scripts that load an older build reuse them).
 SIGNATURES = {
-    "pagedserve_paged_attention": [_i32, _i32, *[_ptr] * 7, *[_i32] * 6, _i64, _f32, _ptr, _ptr],
+    "pagedserve_paged_attention_ex": [_i32, _i32, *[_ptr] * 7, *[_i32] * 6, _i64, _f32, _ptr, _ptr, _i32, _f32],
     "pagedserve_cascade_groups": [_ptr, _i32, _ptr, _ptr, _i32, _i32, _ptr, _i32],
     "pagedserve_add_rms_norm": [_i32, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _f32],
     "pagedserve_rope_and_cache": [_i32, _i32, _ptr, _i64, _i32, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],

@@ -31,7 +31,7 @@ MAX_PARTS = 3  # Linear's quantized parts (q/k/v of three types at most)
 
 class LayerPtrs(ctypes.Structure):
     """One decoder layer: norm weights, its four linears, the layer's K/V pool and its fp8 scales;
-    Gemma 3's extra norms (None: none), this layer's RoPE tables (None: the stack's), its sliding
+    Gemma 3's extra norms (None: none), this layer's RoPE tables, its sliding
     window (0: none) and the KV group it reads."""
 
     _fields_ = [("input_norm", _p), ("post_norm", _p), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
@@ -52,7 +52,7 @@ class StackArgs(ctypes.Structure):
                                   "head_dim", "intermediate", "num_seqs", "block_size", "table_stride", "gemma",
                                   "num_groups")],
         ("eps", _f), ("scale", _f),
-        *[(name, _p) for name in ("layers", "final_norm", "positions", "slots", "cos", "sin", "block_tables",
+        *[(name, _p) for name in ("layers", "final_norm", "positions", "slots", "block_tables",
                                   "seq_lens", "query_start_loc", "x", "out", "groups")],
     ]
 

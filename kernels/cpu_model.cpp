@@ -20,11 +20,6 @@ int pagedserve_rope_and_cache(int dtype, int kv_dtype, void* qkv, int64_t stride
                               int head_dim, const int64_t* positions, const float* cos, const float* sin,
                               void* k_cache, void* v_cache, const int64_t* slots, const float* k_scale,
                               const float* v_scale);
-int pagedserve_paged_attention(int dtype, int kv_dtype, const void* q, const void* k_cache, const void* v_cache,
-                               const int32_t* block_tables, const int32_t* seq_lens, const int32_t* query_start_loc,
-                               void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                               int table_stride, int64_t q_stride, float scale, const float* k_scale,
-                               const float* v_scale);
 int pagedserve_silu_and_mul(int dtype, const void* x, void* out, int rows, int width);
 int pagedserve_gelu_tanh_and_mul(int dtype, const void* x, void* out, int rows, int width);
 int pagedserve_add_rms_norm_f32w(int dtype, void* x, void* residual, const float* weight, void* out, int rows,
@@ -68,7 +63,7 @@ struct LayerPtrs {
   const void* k_norm;
   const void* attn_out_norm;
   const void* mlp_out_norm;
-  const float* cos;  // this layer's RoPE tables (null: the stack's)
+  const float* cos;  // this layer's RoPE tables [max_position][head_dim / 2]
   const float* sin;
   int32_t window;  // sliding window (0: full attention)
   int32_t group;   // the KV group whose slots and block tables it reads (StackArgs.groups)
@@ -103,8 +98,6 @@ struct StackArgs {
   const void* final_norm;
   const int64_t* positions;
   const int64_t* slots;
-  const float* cos;
-  const float* sin;
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
@@ -183,8 +176,7 @@ int pagedserve_llama_stack(const StackArgs* a) {
                                     a->eps)))
       return rc;
     if ((rc = pagedserve_rope_and_cache(dt, a->kv_dtype, qkv, qkv_width, T, a->heads, a->kv_heads, D, a->positions,
-                                        w.cos != nullptr ? w.cos : a->cos, w.sin != nullptr ? w.sin : a->sin,
-                                        w.k_cache, w.v_cache, g.slots, w.k_scale, w.v_scale)))
+                                        w.cos, w.sin, w.k_cache, w.v_cache, g.slots, w.k_scale, w.v_scale)))
       return rc;
     if ((rc = pagedserve_paged_attention_ex(dt, a->kv_dtype, qkv, w.k_cache, w.v_cache, g.block_tables, a->seq_lens,
                                             a->query_start_loc, attn, a->num_seqs, a->heads, a->kv_heads, D,

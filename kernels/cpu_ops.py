@@ -100,10 +100,8 @@ def head_norms(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: i
                k_weight: torch.Tensor, eps: float) -> bool:
     """Each q and k head of ``qkv`` (rows as ``rope_and_cache`` reads them) RMS-normed in place: float32
     weights as Gemma's norm, weights in qkv's dtype as Llama's. False: not done, nothing changed."""
-    code = _code(q_weight, k_weight)
-    f32w = q_weight.dtype == torch.float32 and qkv.dtype != torch.float32
     if (qkv.device.type != "cpu" or qkv.dtype not in DTYPE_CODES or qkv.stride(1) != 1
-            or (code is None and not f32w) or cpu_build.load() is None):
+            or q_weight.dtype not in (qkv.dtype, torch.float32) or _code(q_weight, k_weight) is None):
         return False
     rc = cpu_build.load().pagedserve_head_norms(DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), qkv.shape[0],
                                                 num_heads, num_kv_heads, head_dim, q_weight.data_ptr(),

@@ -103,3 +103,5 @@ def test_gemma_ops_decline_what_they_do_not_take() -> None:
     assert cpu_ops.gemma_rms_norm(x, None, torch.ones(8), 1e-6) is None
     assert cpu_ops.gemma_rms_norm(torch.randn(4, 8), None, torch.ones(8, dtype=torch.float64), 1e-6) is None
     assert not cpu_ops.head_norms(torch.randn(2, 48).t(), 1, 1, 16, torch.ones(16), torch.ones(16), 1e-6)
+    bf16 = torch.ones(16, dtype=torch.bfloat16)  # weights in neither qkv's dtype nor float32
+    assert not cpu_ops.head_norms(torch.randn(2, 48), 1, 1, 16, bf16, bf16, 1e-6)
