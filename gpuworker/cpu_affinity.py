@@ -60,7 +60,8 @@ SPIN_ROUNDS = "10000"
 
 
 def short_spin() -> bool:
-    """Sets GOMP_SPINCOUNT for a CPU worker unless the deployment chose a spin or wait policy."""
+    """Sets GOMP_SPINCOUNT for the worker command (on CUDA it reaches only torch's host threads)
+    unless the deployment chose a spin or wait policy."""
     if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
         return False
     os.environ["GOMP_SPINCOUNT"] = SPIN_ROUNDS

@@ -1,7 +1,7 @@
 """The Llama (and Gemma 3) decoder stack in one compiled call (``cpu_model.cpp``): the same
 kernels as the per-op path (``cpu_ops.py``, ``cpu_attention.py``), in the
-same order, so its output is bit for bit theirs, without a Python and ctypes
-round trip per op.
+same order, so a Llama's output is bit for bit theirs (Gemma 3's per-op path is torch's ops:
+equal to rounding), without a Python and ctypes round trip per op.
 
 ``Linear``, ``LayerPtrs``, ``GroupPtrs`` and ``StackArgs`` mirror the C structs field for field. The
 caller (``gpuworker/cpu_fused.py``) checks every tensor's dtype, device and

@@ -3,8 +3,9 @@
 // panels or GGUF blocks, per layer); and Gemma 3's, whose layers add per-head
 // q/k norms, norms on each sublayer's output, GELU-tanh, float32 (1 + w) norm
 // weights, and sliding layers with their own RoPE and KV group. By the same entry
-// points the per-op Python path calls (so the result is bit for bit that
-// path's), without a Python and ctypes round trip per op. At one to a few
+// points the per-op Python path calls (so a Llama's result is bit for bit that
+// path's; Gemma 3's per-op path is torch's ops, equal to rounding), without a
+// Python and ctypes round trip per op. At one to a few
 // sequences those round trips were about a quarter of a SmolLM2 decode step
 // (about 270 calls a step, 10-30 us each: docs/gpuworker.md, "Fused layers").
 #include <cstdint>
