@@ -27,14 +27,16 @@ constexpr int PREFETCH_BYTES = 8192;  // ahead in a tile's stream, into L2 (512 
 
 // fp32: PP panels interleaved, [K][PP][16].
 template <int M, int PP>
-inline void tile(const float* x, int64_t K, const float* wp, vf (&acc)[MT][P]) {
+inline void tile(const float* x, int64_t K, const float* wp, vf (&acc)[MT][P], const Prefetch& pf) {
+  const char* done = pf.next;
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = wp + k * PP * LANES;  // the PP panels' vectors of this k, side by side
     vf w[PP];
     for (int p = 0; p < PP; ++p) {
       w[p] = loadv(wk + p * LANES);
-      __builtin_prefetch(reinterpret_cast<const char*>(wk + p * LANES) + PREFETCH_BYTES, 0, 2);
+      if (pf.self) __builtin_prefetch(reinterpret_cast<const char*>(wk + p * LANES) + PREFETCH_BYTES, 0, 2);
     }
+    if (pf.next) prefetch_share(pf, k, done);
     for (int m = 0; m < M; ++m) {
       const float xv = x[m * K + k];
       for (int p = 0; p < PP; ++p) acc[m][p] += w[p] * xv;
@@ -44,14 +46,16 @@ inline void tile(const float* x, int64_t K, const float* wp, vf (&acc)[MT][P]) {
 
 // bf16: PP panels interleaved, [K/2][PP][16][2]; K even.
 template <int M, int PP>
-inline void tile(const uint16_t* x, int64_t K, const uint16_t* wp, vf (&acc)[MT][P]) {
+inline void tile(const uint16_t* x, int64_t K, const uint16_t* wp, vf (&acc)[MT][P], const Prefetch& pf) {
+  const char* done = pf.next;
   for (int64_t k = 0; k < K; k += 2) {
     const uint16_t* wk = wp + k * PP * LANES;  // the PP panels' pairs of k, k + 1, side by side
+    if (pf.next) prefetch_share(pf, k / 2, done);
 #if defined(__AVX512BF16__)
     __m512bh w[PP];
     for (int p = 0; p < PP; ++p) {
       w[p] = (__m512bh)_mm512_loadu_si512(wk + p * 2 * LANES);
-      __builtin_prefetch(reinterpret_cast<const char*>(wk + p * 2 * LANES) + PREFETCH_BYTES, 0, 2);
+      if (pf.self) __builtin_prefetch(reinterpret_cast<const char*>(wk + p * 2 * LANES) + PREFETCH_BYTES, 0, 2);
     }
     for (int m = 0; m < M; ++m) {
       uint32_t pair;
@@ -83,11 +87,12 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* wp, vf (&acc)[MT]
 
 // M rows of x against PP panels from feature n0; the last panel may be cut at N.
 template <int M, int PP, typename T>
-inline void run_tile(const T* x, const T* wp, const T* bias, T* y, int64_t N, int64_t K, int64_t n0) {
+inline void run_tile(const T* x, const T* wp, const T* bias, T* y, int64_t N, int64_t K, int64_t n0,
+                     const Prefetch& pf) {
   vf acc[MT][P];
   for (int m = 0; m < M; ++m)
     for (int p = 0; p < PP; ++p) acc[m][p] = vf{};
-  tile<M, PP>(x, K, wp, acc);
+  tile<M, PP>(x, K, wp, acc, pf);
   for (int p = 0; p < PP; ++p) {
     const int64_t c0 = n0 + p * LANES, cols = std::min<int64_t>(LANES, N - c0);
     for (int m = 0; m < M; ++m)
@@ -95,25 +100,40 @@ inline void run_tile(const T* x, const T* wp, const T* bias, T* y, int64_t N, in
   }
 }
 
-// All rows of x, MT at a time (then the remainder), against PP panels.
+// All rows of x against PP panels, in ceil(M / MT) tiles of nearly equal rows
+// (17 rows as 6 + 6 + 5, not 8 + 8 + 1). ``next``: the group this thread runs
+// after this one, or null; ``first``: no earlier group prefetched this one.
 template <int PP, typename T>
-inline void panel_rows(const T* x, const T* wp, const T* bias, T* y, int64_t M, int64_t N, int64_t K, int64_t n0) {
+inline void panel_rows(const T* x, const T* wp, const T* bias, T* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+                       const T* next, bool first) {
+  const int64_t tiles = (M + MT - 1) / MT, base = M / tiles, extra = M % tiles;
+  const int64_t steps = std::is_same_v<T, uint16_t> ? K / 2 : K;
+  const int64_t group_bytes = K * PP * LANES * static_cast<int64_t>(sizeof(T));
   int64_t m0 = 0;
-  for (; m0 + MT <= M; m0 += MT) run_tile<MT, PP>(x + m0 * K, wp, bias, y + m0 * N, N, K, n0);
-  const T* xr = x + m0 * K;
-  T* yr = y + m0 * N;
-  switch (M - m0) {  // the remainder, unrolled at compile time
-#define PAGEDSERVE_REST(r) \
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t rows = base + (t < extra);
+    Prefetch pf{tiles == 1 || (first && t == 0), nullptr, 0};
+    if (tiles > 1 && next) {  // tile t's share of the next group: part t of tiles
+      const int64_t lo = group_bytes * t / tiles, hi = group_bytes * (t + 1) / tiles;
+      pf.next = reinterpret_cast<const char*>(next) + lo;
+      pf.q16 = ((hi - lo) << 16) / steps;
+    }
+    const T* xr = x + m0 * K;
+    T* yr = y + m0 * N;
+    switch (rows) {  // unrolled at compile time
+#define PAGEDSERVE_ROWS(r) \
   case r:                  \
-    if constexpr (r < MT) run_tile<r, PP>(xr, wp, bias, yr, N, K, n0); break;
-    PAGEDSERVE_REST(1) PAGEDSERVE_REST(2) PAGEDSERVE_REST(3) PAGEDSERVE_REST(4) PAGEDSERVE_REST(5)
-    PAGEDSERVE_REST(6) PAGEDSERVE_REST(7)
-#undef PAGEDSERVE_REST
-    default:
-      break;
+    if constexpr (r <= MT) run_tile<r, PP>(xr, wp, bias, yr, N, K, n0, pf); break;
+      PAGEDSERVE_ROWS(1) PAGEDSERVE_ROWS(2) PAGEDSERVE_ROWS(3) PAGEDSERVE_ROWS(4) PAGEDSERVE_ROWS(5)
+      PAGEDSERVE_ROWS(6) PAGEDSERVE_ROWS(7) PAGEDSERVE_ROWS(8)
+#undef PAGEDSERVE_ROWS
+      default:
+        break;
+    }
+    m0 += rows;
   }
 }
-static_assert(MT <= 8, "panel_rows unrolls remainders of up to 7 rows");
+static_assert(MT <= 8, "panel_rows unrolls tiles of up to 8 rows");
 
 template <typename T>
 void linear(const T* x, const T* packed, const T* bias, T* y, int64_t M, int64_t N, int64_t K) {
@@ -121,11 +141,16 @@ void linear(const T* x, const T* packed, const T* bias, T* y, int64_t M, int64_t
 #pragma omp parallel
   {
     FlushDenormals ftz;
-#pragma omp for schedule(static)  // each thread streams one contiguous part of the panels
-    for (int64_t g = 0; g < groups; ++g)
-      panel_rows<P>(x, packed + g * P * panel_elems, bias, y, M, N, K, g * P * LANES);
+    // Each thread streams one contiguous part of the panels (schedule(static), by hand: a
+    // group's tiles prefetch the thread's next group).
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t lo = groups * tid / nt, hi = groups * (tid + 1) / nt;
+    for (int64_t g = lo; g < hi; ++g)
+      panel_rows<P>(x, packed + g * P * panel_elems, bias, y, M, N, K, g * P * LANES,
+                    g + 1 < hi ? packed + (g + 1) * P * panel_elems : nullptr, g == lo);
 #pragma omp for schedule(static)
-    for (int64_t p = groups * P; p < panels; ++p) panel_rows<1>(x, packed + p * panel_elems, bias, y, M, N, K, p * LANES);
+    for (int64_t p = groups * P; p < panels; ++p)
+      panel_rows<1>(x, packed + p * panel_elems, bias, y, M, N, K, p * LANES, static_cast<const T*>(nullptr), true);
   }
 }
 

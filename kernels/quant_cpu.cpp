@@ -308,7 +308,7 @@ inline void dot32(const uint8_t* const (&u)[P], const __m512 (&a)[P][2], const _
   }
 }
 
-// Every cache line of the unit about 4 KB ahead in a group's stream, into L2: the first row tile
+// Every cache line of the unit about 4 KB ahead in a group's stream, into L2: a single row tile
 // reads the weight from memory, and without it 8 rows ran at half the bandwidth of 1.
 template <int QT>
 inline void prefetch_unit(const uint8_t* u) {
@@ -318,15 +318,18 @@ inline void prefetch_unit(const uint8_t* u) {
 
 // MM rows from m0 against PP groups whose units start at wg (group p at wg + p * gstride).
 template <int QT, int MM, int PP>
-inline void tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, __m512 (&acc)[MT][P]) {
+inline void tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, __m512 (&acc)[MT][P],
+                 const Prefetch& pf) {
   const int64_t units = x.K / unit_weights(QT), ub = unit_bytes(QT);
   __m512 a[P][2], b[P][2];
   const uint8_t* u[P];
+  const char* done = pf.next;
   for (int64_t un = 0; un < units; ++un) {
+    if (pf.next) prefetch_share(pf, un, done);
     if constexpr (unit_weights(QT) == 32) {
       for (int p = 0; p < PP; ++p) {
         u[p] = wg + p * gstride + un * ub;
-        if (m0 == 0) prefetch_unit<QT>(u[p]);  // later row tiles find the unit in cache
+        if (pf.self) prefetch_unit<QT>(u[p]);  // later row tiles find the unit in cache
         const int64_t sc = QT == Q8_0 ? 512 : QT == Q5_0 || QT == Q5_1 ? 320 : 256;  // d[16], then m[16]
         a[p][0] = f16x16(u[p] + sc);
         if constexpr (QT == Q4_1 || QT == Q5_1) b[p][0] = f16x16(u[p] + sc + 32);
@@ -336,7 +339,7 @@ inline void tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, _
     } else {
       __m512 d[P], dm[P];
       for (int p = 0; p < PP; ++p) {
-        if (m0 == 0) prefetch_unit<QT>(wg + p * gstride + un * ub);
+        if (pf.self) prefetch_unit<QT>(wg + p * gstride + un * ub);
         d[p] = f16x16(wg + p * gstride + un * ub);
         if constexpr (QT == Q4_K) dm[p] = f16x16(wg + p * gstride + un * ub + 32);
       }
@@ -363,11 +366,11 @@ inline void tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, _
 
 template <int QT, int MM, int PP, typename T>
 inline void run_tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, int64_t n0, int64_t N,
-                     const T* bias, T* y, int64_t ldy) {
+                     const T* bias, T* y, int64_t ldy, const Prefetch& pf) {
   __m512 acc[MT][P];
   for (int m = 0; m < MM; ++m)
     for (int p = 0; p < PP; ++p) acc[m][p] = _mm512_setzero_ps();
-  tile<QT, MM, PP>(wg, gstride, x, m0, acc);
+  tile<QT, MM, PP>(wg, gstride, x, m0, acc, pf);
   for (int p = 0; p < PP; ++p) {
     const int64_t c0 = n0 + p * G, cols = std::min<int64_t>(G, N - c0);
     alignas(64) float out[G];
@@ -378,23 +381,33 @@ inline void run_tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m
   }
 }
 
+// R rows at a time (then the remainder) against PP groups; ``next``: the groups this thread
+// runs after these (its tiles prefetch them, cpu_common.h's Prefetch), or null; ``first``:
+// no earlier tile prefetched these.
 template <int QT, int PP, int R, typename T>
 inline void groups_rows(const uint8_t* wg, int64_t gstride, const Act& x, int64_t M, int64_t n0, int64_t N,
-                        const T* bias, T* y, int64_t ldy) {
-  int64_t m0 = 0;
-  for (; m0 + R <= M; m0 += R) run_tile<QT, R, PP>(wg, gstride, x, m0, n0, N, bias, y, ldy);
-  switch (M - m0) {  // the remainder, unrolled at compile time
-#define PAGEDSERVE_REST(r) \
+                        const T* bias, T* y, int64_t ldy, const uint8_t* next, bool first) {
+  const int64_t tiles = (M + R - 1) / R, units = x.K / unit_weights(QT), run_bytes = PP * gstride;
+  for (int64_t t = 0, m0 = 0; t < tiles; ++t, m0 += R) {
+    Prefetch pf{tiles == 1 || (first && t == 0), nullptr, 0};
+    if (tiles > 1 && next) {  // tile t's share of the next groups: part t of tiles
+      const int64_t lo = run_bytes * t / tiles, hi = run_bytes * (t + 1) / tiles;
+      pf.next = reinterpret_cast<const char*>(next) + lo;
+      pf.q16 = ((hi - lo) << 16) / units;
+    }
+    switch (std::min<int64_t>(R, M - m0)) {  // unrolled at compile time
+#define PAGEDSERVE_ROWS(r) \
   case r:                  \
-    if constexpr (r < R) run_tile<QT, r, PP>(wg, gstride, x, m0, n0, N, bias, y, ldy); break;
-    PAGEDSERVE_REST(1) PAGEDSERVE_REST(2) PAGEDSERVE_REST(3) PAGEDSERVE_REST(4) PAGEDSERVE_REST(5)
-    PAGEDSERVE_REST(6) PAGEDSERVE_REST(7)
-#undef PAGEDSERVE_REST
-    default:
-      break;
+    if constexpr (r <= R) run_tile<QT, r, PP>(wg, gstride, x, m0, n0, N, bias, y, ldy, pf); break;
+      PAGEDSERVE_ROWS(1) PAGEDSERVE_ROWS(2) PAGEDSERVE_ROWS(3) PAGEDSERVE_ROWS(4) PAGEDSERVE_ROWS(5)
+      PAGEDSERVE_ROWS(6) PAGEDSERVE_ROWS(7) PAGEDSERVE_ROWS(8)
+#undef PAGEDSERVE_ROWS
+      default:
+        break;
+    }
   }
 }
-static_assert(MT <= 8, "groups_rows unrolls remainders of up to 7 rows");
+static_assert(MT <= 8, "groups_rows unrolls tiles of up to 8 rows");
 
 // PP groups per tile and R rows per tile, over each thread's contiguous part of the groups.
 template <int QT, int PP, int R, typename T>
@@ -403,12 +416,16 @@ void linear_tiles(const Act& x, const uint8_t* packed, const T* bias, T* y, int6
 #pragma omp parallel
   {
     FlushDenormals ftz;
-#pragma omp for schedule(static)  // each thread streams one contiguous part of the groups
-    for (int64_t i = 0; i < runs; ++i)
-      groups_rows<QT, PP, R>(packed + i * PP * gstride, gstride, x, M, i * PP * G, N, bias, y, ldy);
+    // Each thread streams one contiguous part of the groups (schedule(static), by hand: a run's
+    // tiles prefetch the thread's next run).
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t lo = runs * tid / nt, hi = runs * (tid + 1) / nt;
+    for (int64_t i = lo; i < hi; ++i)
+      groups_rows<QT, PP, R>(packed + i * PP * gstride, gstride, x, M, i * PP * G, N, bias, y, ldy,
+                             i + 1 < hi ? packed + (i + 1) * PP * gstride : nullptr, i == lo);
 #pragma omp for schedule(static)
     for (int64_t g = runs * PP; g < groups; ++g)
-      groups_rows<QT, 1, R>(packed + g * gstride, gstride, x, M, g * G, N, bias, y, ldy);
+      groups_rows<QT, 1, R>(packed + g * gstride, gstride, x, M, g * G, N, bias, y, ldy, nullptr, true);
   }
 }
 

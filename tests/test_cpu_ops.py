@@ -147,12 +147,13 @@ def test_silu_flushes_denormals_inside_and_leaves_the_callers_mode() -> None:
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 67])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 67])
 @pytest.mark.parametrize("n,k,with_bias", [(963, 576, True), (576, 1536, False), (40, 64, True), (3, 10, False)])
 def test_packed_linear_equals_a_float64_matmul(dtype: torch.dtype, tol: float, rows: int, n: int, k: int,
                                                with_bias: bool) -> None:
-    """cpu_linear.cpp over its panels: rows past a tile of 8 and a remainder, N past
-    the last group of 3 panels and inside a panel (963 = 60 panels + 3), small K."""
+    """cpu_linear.cpp over its panels: one tile of up to 8 rows, or tiles of nearly
+    equal rows (17: 6 + 6 + 5), N past the last group of 3 panels and inside a
+    panel (963 = 60 panels + 3), small K."""
     g = torch.Generator().manual_seed(rows * 7 + n)
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
