@@ -32,7 +32,11 @@ from pagedserve.bench.workloads import machine_info, sample_lengths, synthetic_p
 
 # Output/prompt scale per workload: ShareGPT x0.25 keeps a CPU run to minutes
 # (about 5,900 output tokens over 64 requests at seed 0); Alpaca is short already.
-SCALES = {"sharegpt": 0.25, "alpaca": 1.0, "long": 1.0}
+SCALES = {"sharegpt": 0.25, "alpaca": 1.0, "long": 1.0, "fixed": 1.0}
+# The fixed workload: every request FIXED_PROMPT_TOKENS of prompt and --max-output (default
+# FIXED_OUTPUT_TOKENS) output tokens, so a run's decode steps all have --requests rows: one
+# engine's step at one batch size against another's.
+FIXED_PROMPT_TOKENS, FIXED_OUTPUT_TOKENS = 64, 128
 # The long-prompt workload (issue 23): every prompt is one shared system prompt
 # plus its own 500-1,000 tokens (1,500-2,000 in all), 128 output tokens each;
 # it exercises prefill, attention over long contexts and prefix caching.
@@ -46,6 +50,9 @@ def build_workload(name: str, n: int, seed: int, vocab: int, max_len: int, max_o
     """Prompt ids and output lengths, scaled, capped so prompt + output < max_len."""
     if name == "long":
         return long_prompt_workload(n, seed, vocab, max_output)
+    if name == "fixed":
+        return [(synthetic_prompt(FIXED_PROMPT_TOKENS, seed * 1_000_003 + i, vocab), max_output or FIXED_OUTPUT_TOKENS)
+                for i in range(n)]
     scale = SCALES[name]
     work = []
     for i, r in enumerate(sample_lengths(name, n, seed)):
@@ -150,7 +157,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--workload", default="sharegpt,alpaca", help="comma list of sharegpt, alpaca, long (32 requests of 1,500-2,000 prompt tokens sharing a "
-                        "1,000-token system prompt, 128 output tokens: use --requests 32)")
+                        "1,000-token system prompt, 128 output tokens: use --requests 32), fixed (64 prompt and "
+                        "--max-output output tokens each, default 128)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="every engine's weights and KV")
     p.add_argument("--max-output", type=int, default=None, help="cap every request's output length")

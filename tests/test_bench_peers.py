@@ -203,3 +203,15 @@ def test_the_long_prompt_workload_shares_a_system_prompt() -> None:
     assert all(p[:LONG_SYSTEM_TOKENS] == system for p, _ in work)
     assert len({tuple(p[LONG_SYSTEM_TOKENS:LONG_SYSTEM_TOKENS + 8]) for p, _ in work}) == 32  # own parts differ
     assert build_workload("long", 32, 0, 1000, 4096, None) == work  # seeded
+
+
+def test_the_fixed_workload_gives_every_request_one_shape() -> None:
+    """Every decode step of a fixed run has --requests rows: 64 prompt tokens each (distinct
+    prompts, seeded) and --max-output output tokens (128 without it)."""
+    from benchmarks.peers import FIXED_PROMPT_TOKENS, build_workload
+
+    work = build_workload("fixed", 8, 0, 1000, 4096, 192)
+    assert len(work) == 8 and {o for _, o in work} == {192} and {len(p) for p, _ in work} == {FIXED_PROMPT_TOKENS}
+    assert len({tuple(p) for p, _ in work}) == 8
+    assert {o for _, o in build_workload("fixed", 2, 0, 1000, 4096, None)} == {128}
+    assert build_workload("fixed", 8, 0, 1000, 4096, 192) == work
