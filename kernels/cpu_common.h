@@ -81,12 +81,13 @@ typedef uint16_t vh __attribute__((vector_size(32)));
 constexpr int LANES = 16;
 
 // What a tile of rows prefetches while it runs over a group of packed weights
-// (cpu_linear.cpp's panels, quant_cpu.cpp's blocks). One tile streams its
-// group from memory, a few KB ahead of itself. With T tiles over a group, the
-// later ones found the group in cache and the read stalled while they computed:
-// each tile instead prefetches 1 / T of the thread's next group, spread over its
-// steps, so the weight read keeps one pace under all the tiles' compute (a 1B
-// decode step's linears 1.1-1.3x faster at 12-64 rows, docs/gpuworker.md).
+// (cpu_linear.cpp's panels, quant_cpu.cpp's blocks). The first tile streams
+// its group from memory, a few KB ahead of itself. With T tiles over a group,
+// the later ones found the group in cache and the read stalled while they
+// computed: each tile also prefetches 1 / T of the thread's next group, spread
+// over its steps, so the weight read keeps one pace under all the tiles'
+// compute (a 1B decode step's linears 1.1-1.3x faster at 16-32 rows,
+// docs/gpuworker.md, "Linear layers").
 struct Prefetch {
   bool self;         // ahead of the tile's own stream
   const char* next;  // this tile's share of the next group, or null

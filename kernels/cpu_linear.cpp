@@ -102,17 +102,17 @@ inline void run_tile(const T* x, const T* wp, const T* bias, T* y, int64_t N, in
 
 // All rows of x against PP panels, in ceil(M / MT) tiles of nearly equal rows
 // (17 rows as 6 + 6 + 5, not 8 + 8 + 1). ``next``: the group this thread runs
-// after this one, or null; ``first``: no earlier group prefetched this one.
+// after this one, or null.
 template <int PP, typename T>
 inline void panel_rows(const T* x, const T* wp, const T* bias, T* y, int64_t M, int64_t N, int64_t K, int64_t n0,
-                       const T* next, bool first) {
+                       const T* next) {
   const int64_t tiles = (M + MT - 1) / MT, base = M / tiles, extra = M % tiles;
   const int64_t steps = std::is_same_v<T, uint16_t> ? K / 2 : K;
   const int64_t group_bytes = K * PP * LANES * static_cast<int64_t>(sizeof(T));
   int64_t m0 = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t rows = base + (t < extra);
-    Prefetch pf{tiles == 1 || (first && t == 0), nullptr, 0};
+    Prefetch pf{t == 0, nullptr, 0};
     if (tiles > 1 && next) {  // tile t's share of the next group: part t of tiles
       const int64_t lo = group_bytes * t / tiles, hi = group_bytes * (t + 1) / tiles;
       pf.next = reinterpret_cast<const char*>(next) + lo;
@@ -147,10 +147,10 @@ void linear(const T* x, const T* packed, const T* bias, T* y, int64_t M, int64_t
     const int64_t lo = groups * tid / nt, hi = groups * (tid + 1) / nt;
     for (int64_t g = lo; g < hi; ++g)
       panel_rows<P>(x, packed + g * P * panel_elems, bias, y, M, N, K, g * P * LANES,
-                    g + 1 < hi ? packed + (g + 1) * P * panel_elems : nullptr, g == lo);
+                    g + 1 < hi ? packed + (g + 1) * P * panel_elems : nullptr);
 #pragma omp for schedule(static)
     for (int64_t p = groups * P; p < panels; ++p)
-      panel_rows<1>(x, packed + p * panel_elems, bias, y, M, N, K, p * LANES, static_cast<const T*>(nullptr), true);
+      panel_rows<1>(x, packed + p * panel_elems, bias, y, M, N, K, p * LANES, static_cast<const T*>(nullptr));
   }
 }
 

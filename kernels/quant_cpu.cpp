@@ -382,14 +382,13 @@ inline void run_tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m
 }
 
 // R rows at a time (then the remainder) against PP groups; ``next``: the groups this thread
-// runs after these (its tiles prefetch them, cpu_common.h's Prefetch), or null; ``first``:
-// no earlier tile prefetched these.
+// runs after these (its tiles prefetch them, cpu_common.h's Prefetch), or null.
 template <int QT, int PP, int R, typename T>
 inline void groups_rows(const uint8_t* wg, int64_t gstride, const Act& x, int64_t M, int64_t n0, int64_t N,
-                        const T* bias, T* y, int64_t ldy, const uint8_t* next, bool first) {
+                        const T* bias, T* y, int64_t ldy, const uint8_t* next) {
   const int64_t tiles = (M + R - 1) / R, units = x.K / unit_weights(QT), run_bytes = PP * gstride;
   for (int64_t t = 0, m0 = 0; t < tiles; ++t, m0 += R) {
-    Prefetch pf{tiles == 1 || (first && t == 0), nullptr, 0};
+    Prefetch pf{t == 0, nullptr, 0};
     if (tiles > 1 && next) {  // tile t's share of the next groups: part t of tiles
       const int64_t lo = run_bytes * t / tiles, hi = run_bytes * (t + 1) / tiles;
       pf.next = reinterpret_cast<const char*>(next) + lo;
@@ -422,10 +421,10 @@ void linear_tiles(const Act& x, const uint8_t* packed, const T* bias, T* y, int6
     const int64_t lo = runs * tid / nt, hi = runs * (tid + 1) / nt;
     for (int64_t i = lo; i < hi; ++i)
       groups_rows<QT, PP, R>(packed + i * PP * gstride, gstride, x, M, i * PP * G, N, bias, y, ldy,
-                             i + 1 < hi ? packed + (i + 1) * PP * gstride : nullptr, i == lo);
+                             i + 1 < hi ? packed + (i + 1) * PP * gstride : nullptr);
 #pragma omp for schedule(static)
     for (int64_t g = runs * PP; g < groups; ++g)
-      groups_rows<QT, 1, R>(packed + g * gstride, gstride, x, M, g * G, N, bias, y, ldy, nullptr, true);
+      groups_rows<QT, 1, R>(packed + g * gstride, gstride, x, M, g * G, N, bias, y, ldy, nullptr);
   }
 }
 
