@@ -27,8 +27,9 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_attention.cpp", HERE / "cpu_ops.cpp", HERE / "cpu_linear.cpp", HERE / "cpu_model.cpp",
-           HERE / "quant_cpu.cpp")
-HEADERS = (HERE / "cpu_common.h", HERE / "cpu_scores.h", HERE / "cpu_cascade.h", HERE / "cpu_bf16.h", HERE / "cpu_rows.h")
+           HERE / "quant_cpu.cpp", HERE / "quant_pack.cpp")
+HEADERS = (HERE / "cpu_common.h", HERE / "cpu_scores.h", HERE / "cpu_cascade.h", HERE / "cpu_bf16.h", HERE / "cpu_rows.h",
+           HERE / "quant_blocks.h")
 # Compiled with fast math (vectorised expf, reassociated sums) but linked
 # without it: a -ffast-math link adds crtfastmath, whose constructor turns on
 # flush-to-zero for the whole process (hypothesis caught that).

@@ -123,7 +123,8 @@ inline void panel_rows(const T* x, const T* wp, const T* bias, T* y, int64_t M, 
     switch (rows) {  // unrolled at compile time
 #define PAGEDSERVE_ROWS(r) \
   case r:                  \
-    if constexpr (r <= MT) run_tile<r, PP>(xr, wp, bias, yr, N, K, n0, pf); break;
+    if constexpr (r <= MT) { run_tile<r, PP>(xr, wp, bias, yr, N, K, n0, pf); } \
+    break;
       PAGEDSERVE_ROWS(1) PAGEDSERVE_ROWS(2) PAGEDSERVE_ROWS(3) PAGEDSERVE_ROWS(4) PAGEDSERVE_ROWS(5)
       PAGEDSERVE_ROWS(6) PAGEDSERVE_ROWS(7) PAGEDSERVE_ROWS(8)
 #undef PAGEDSERVE_ROWS

@@ -40,7 +40,7 @@ int pagedserve_quant_linear_parts(int dtype, const void* x, const void* bias, vo
 namespace {
 
 // One linear layer: the panels of cpu_linear.cpp (parts == 0: data[0]), or up to 3 GGUF
-// weights side by side, repacked by quant_cpu.cpp (part p: ggml type qtypes[p], rows[p] output
+// weights side by side, repacked by quant_pack.cpp (part p: ggml type qtypes[p], rows[p] output
 // rows; q/k/v of different types, as Q4_K_M mixes them). Field order is cpu_layers.py's Linear.
 struct Linear {
   const void* data[3];

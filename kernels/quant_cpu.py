@@ -1,5 +1,5 @@
-"""The compiled int8 products for ``quant.py`` (``quant_cpu.cpp``, built into the
-CPU kernel library by ``cpu_build``).
+"""The compiled int8 products for ``quant.py`` (``quant_cpu.cpp``; the repacking in
+``quant_pack.cpp``; both built into the CPU kernel library by ``cpu_build``).
 
 ``repack`` turns a weight's blocks into the kernel's groups of 16 rows (the
 same bytes reordered; Q4_K's 6-bit scales unpacked, +2.8 %); ``linear_parts``
