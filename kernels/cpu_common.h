@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -93,6 +92,17 @@ struct Prefetch {
   const char* next;  // this tile's share of the next group, or null
   int64_t q16;       // bytes of that share per k step, in 1/65536ths
 };
+
+// Tile t of tiles over a group of group_bytes, in steps k steps; next: the thread's next group or null.
+inline Prefetch tile_prefetch(const void* next, int64_t group_bytes, int64_t t, int64_t tiles, int64_t steps) {
+  Prefetch pf{t == 0, nullptr, 0};
+  if (tiles > 1 && next) {  // part t of tiles
+    const int64_t lo = group_bytes * t / tiles, hi = group_bytes * (t + 1) / tiles;
+    pf.next = static_cast<const char*>(next) + lo;
+    pf.q16 = ((hi - lo) << 16) / steps;
+  }
+  return pf;
+}
 
 inline void prefetch_share(const Prefetch& pf, int64_t step, const char*& done) {
   const char* target = pf.next + (((step + 1) * pf.q16) >> 16);

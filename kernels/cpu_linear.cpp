@@ -112,12 +112,7 @@ inline void panel_rows(const T* x, const T* wp, const T* bias, T* y, int64_t M, 
   int64_t m0 = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t rows = base + (t < extra);
-    Prefetch pf{t == 0, nullptr, 0};
-    if (tiles > 1 && next) {  // tile t's share of the next group: part t of tiles
-      const int64_t lo = group_bytes * t / tiles, hi = group_bytes * (t + 1) / tiles;
-      pf.next = reinterpret_cast<const char*>(next) + lo;
-      pf.q16 = ((hi - lo) << 16) / steps;
-    }
+    const Prefetch pf = tile_prefetch(next, group_bytes, t, tiles, steps);
     const T* xr = x + m0 * K;
     T* yr = y + m0 * N;
     switch (rows) {  // unrolled at compile time
