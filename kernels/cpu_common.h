@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <omp.h>
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -102,6 +103,14 @@ inline Prefetch tile_prefetch(const void* next, int64_t group_bytes, int64_t t, 
     pf.q16 = ((hi - lo) << 16) / steps;
   }
   return pf;
+}
+
+// Inside an OpenMP parallel region: the calling thread's contiguous part [lo, hi) of n groups, as
+// schedule(static) would give it, but known to the loop, so a group's tiles can prefetch the next.
+inline void thread_part(int64_t n, int64_t& lo, int64_t& hi) {
+  const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+  lo = n * tid / nt;
+  hi = n * (tid + 1) / nt;
 }
 
 inline void prefetch_share(const Prefetch& pf, int64_t step, const char*& done) {

@@ -137,10 +137,8 @@ void linear(const T* x, const T* packed, const T* bias, T* y, int64_t M, int64_t
 #pragma omp parallel
   {
     FlushDenormals ftz;
-    // Each thread streams one contiguous part of the panels (schedule(static), by hand: a
-    // group's tiles prefetch the thread's next group).
-    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t lo = groups * tid / nt, hi = groups * (tid + 1) / nt;
+    int64_t lo, hi;  // each thread streams one contiguous part of the groups
+    thread_part(groups, lo, hi);
     for (int64_t g = lo; g < hi; ++g)
       panel_rows<P>(x, packed + g * P * panel_elems, bias, y, M, N, K, g * P * LANES,
                     g + 1 < hi ? packed + (g + 1) * P * panel_elems : nullptr);

@@ -220,10 +220,8 @@ void linear_tiles(const Act& x, const uint8_t* packed, const T* bias, T* y, int6
 #pragma omp parallel
   {
     FlushDenormals ftz;
-    // Each thread streams one contiguous part of the groups (schedule(static), by hand: a run's
-    // tiles prefetch the thread's next run).
-    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t lo = runs * tid / nt, hi = runs * (tid + 1) / nt;
+    int64_t lo, hi;  // each thread streams one contiguous part of the runs
+    thread_part(runs, lo, hi);
     for (int64_t i = lo; i < hi; ++i)
       groups_rows<QT, PP, R>(packed + i * PP * gstride, gstride, x, M, i * PP * G, N, bias, y, ldy,
                              i + 1 < hi ? packed + (i + 1) * PP * gstride : nullptr);
