@@ -58,7 +58,7 @@ from pagedserve.gpuworker.seq_state import SeqStates
 from pagedserve.gpuworker.step_gaps import StepGaps
 from pagedserve.gpuworker.grammar_compiler import IDLE_WAIT_S, AsyncCompiles
 from pagedserve.gpuworker.structured import StructuredDecoding
-from pagedserve.kernels import cpu_build, get_attention_backend
+from pagedserve.kernels import cpu_build, get_attention_backend, quant_cpu
 from pagedserve.kernels.fp8 import kv_cache_dtype, unit_scale
 
 
@@ -310,6 +310,8 @@ class ModelRunner:
             grammars = self.compiles.finished(IDLE_WAIT_S) if self.tp.is_driver else []
             return StepResult(step.step_id, [], time.perf_counter() - t0, grammars=grammars)
         batch = prepare_batch(scheduled, self.cfg.block_size, self.max_model_len, self.device)
+        if self.gguf_file and self.device.type == "cpu":  # prompts on bf16 panels, decodes on int8 (quant_cpu)
+            quant_cpu.prompt_step(not batch.decode_only)
         if self.graphs is not None and batch.decode_only and len(scheduled) <= self.graphs.max_batch:
             hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:

@@ -27,9 +27,9 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_attention.cpp", HERE / "cpu_ops.cpp", HERE / "cpu_linear.cpp", HERE / "cpu_model.cpp",
-           HERE / "quant_cpu.cpp", HERE / "quant_pack.cpp")
+           HERE / "quant_cpu.cpp", HERE / "quant_pack.cpp", HERE / "quant_bf16.cpp")
 HEADERS = (HERE / "cpu_common.h", HERE / "cpu_scores.h", HERE / "cpu_cascade.h", HERE / "cpu_bf16.h", HERE / "cpu_rows.h",
-           HERE / "quant_blocks.h")
+           HERE / "quant_blocks.h", HERE / "cpu_panels.h")
 # Compiled with fast math (vectorised expf, reassociated sums) but linked
 # without it: a -ffast-math link adds crtfastmath, whose constructor turns on
 # flush-to-zero for the whole process (hypothesis caught that).
@@ -59,6 +59,7 @@ SIGNATURES = {
     "pagedserve_quant_act": [_i32, _ptr, _i64, _i64, _ptr, _ptr, _ptr],
     "pagedserve_quant_linear_parts": [_i32, _ptr, _ptr, _ptr, _i64, _i64, _i32, _ptr, _ptr, _ptr],
     "pagedserve_quant_rows": [_i32, _ptr, _i64, _i64, _ptr, _i64, _ptr],
+    "pagedserve_quant_linear_bf16": [_i32, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64],
 }
 
 # Until configured (kernels used directly, outside a worker): on, in the default cache's folder.

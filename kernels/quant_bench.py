@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import cpu_ops
+from pagedserve.kernels import cpu_ops, quant_cpu
 from pagedserve.kernels.quant import GGML_QUANT_TYPES, QuantWeight, dequantize, prepare, quant_linear
 
 SHAPES = {  # name: [(label, out_features, in_features)]
@@ -110,6 +110,18 @@ def bench(qtype: str, label: str, n: int, k: int, rows: list[int], repeats: int)
     return lines
 
 
+def _int8(fn: Callable[[int], object]) -> Callable[[int], object]:
+    """``fn`` with bf16 activations quantized to int8 at any row count (the decode batches' path)."""
+    def run(i: int) -> object:
+        rows = quant_cpu.dequant_rows() or 0
+        quant_cpu.set_dequant_rows(quant_cpu.NEVER)
+        try:
+            return fn(i)
+        finally:
+            quant_cpu.set_dequant_rows(rows)
+    return run
+
+
 LAYERS = {"smol": 30, "1b": 16}
 PEAK_BAR = 0.6  # issue 40, acceptance 6: a decode step's linears at 60 % of torch's bf16 peak or more
 
@@ -126,7 +138,9 @@ def step(shape: str, qtypes: list[str], rows: list[int], repeats: int, peak: flo
     """A whole decode step's linear layers (every layer's, then the LM head) at M rows: the
     weights of a real model size, so they stream from memory as in serving. Milliseconds per
     step, against the panels' bf16 (the CPU path's own) on the same dequantized weights, and
-    each one's GFLOP/s as a share of ``peak`` (torch's bf16 matmul, measured in the same run)."""
+    each one's GFLOP/s as a share of ``peak`` (torch's bf16 matmul, measured in the same run).
+    From ``quant_cpu.dequant_rows()`` rows up, "quant" decodes the weight to bf16 panels, and
+    "quant int8" times the int8 products at the same rows."""
     layers = [(label, n, k) for label, n, k in SHAPES[shape] if label != "lm_head"] * LAYERS[shape]
     layers.append(next(s for s in SHAPES[shape] if s[0] == "lm_head"))
     lines = []
@@ -141,12 +155,14 @@ def step(shape: str, qtypes: list[str], rows: list[int], repeats: int, peak: flo
                 "panels bf16": lambda i: [cpu_ops.packed_linear(xs[k], pb, n, None)
                                           for (_, n, k), pb in zip(layers, pbs)],
             }
+            if m >= (quant_cpu.dequant_rows() or 1 << 30):  # a prompt: "quant" decodes to bf16 panels
+                fns["quant int8"] = _int8(fns["quant"])
             us = _times_us(fns, repeats)
             flop = 2.0 * m * sum(n * k for _, n, k in layers)
             parts = [f"{name} {best / 1e3:7.2f} ms (median {med / 1e3:7.2f}) {flop / best / 1e3:6.1f} GF/s "
                      f"= {flop / best / 1e3 / peak:4.0%} of peak "
                      f"({'meets' if flop / best / 1e3 >= PEAK_BAR * peak else 'under'} issue 40's {PEAK_BAR:.0%}), "
-                     f"{(qbytes if name == 'quant' else flop / m) / best / 1e3:5.1f} GB/s"
+                     f"{(qbytes if name.startswith('quant') else flop / m) / best / 1e3:5.1f} GB/s"
                      for name, (best, med) in us.items()]
             lines.append(f"{qtype} {shape} step ({len(layers)} linears) M={m:<3d} | " + " | ".join(parts))
     return lines

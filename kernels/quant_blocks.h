@@ -17,6 +17,10 @@
 // where h[i] holds the top 2 bits of quads 4i .. 4i + 3, quad 4i + t at bits 2t.
 #pragma once
 #include <cstdint>
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace pagedserve_quant {
 
@@ -55,4 +59,73 @@ inline int64_t packed_bytes(int qt, int64_t N, int64_t K) {
   return (N + G - 1) / G * (K / unit_weights(qt)) * unit_bytes(qt);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Decoding a group's units with AVX-512, for the int8 products (quant_cpu.cpp) and the bf16 prompt
+// path (quant_bf16.cpp). Every type is w = a q + b per row with q unsigned (quant_cpu.cpp's comment).
+inline __m512 f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 i8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m512i shift16(__m512i v, int s) {  // left by s (right by -s) in 16-bit lanes; the callers mask per byte
+  return s > 0 ? _mm512_slli_epi16(v, s) : s < 0 ? _mm512_srli_epi16(v, -s) : v;
+}
+
+// Quads jj and jj + 4 of the block at u (a 32-weight unit, or a K type's sub-block) as unsigned bytes.
+template <int QT>
+inline void quads(const uint8_t* u, int jj, __m512i& lo, __m512i& hi) {
+  if constexpr (QT == Q8_0) {
+    lo = _mm512_loadu_si512(u + 64 * jj);
+    hi = _mm512_loadu_si512(u + 64 * (jj + 4));
+  } else {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), v = _mm512_loadu_si512(u + 64 * jj);
+    lo = _mm512_and_si512(v, m4);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    if constexpr (QT == Q5_0 || QT == Q5_1) {  // bit j of h: the fifth bit of quad j
+      const __m512i h = _mm512_loadu_si512(u + 256), m1 = _mm512_set1_epi8(0x10);
+      lo = _mm512_or_si512(lo, _mm512_and_si512(shift16(h, 4 - jj), m1));
+      hi = _mm512_or_si512(hi, _mm512_and_si512(shift16(h, -jj), m1));
+    } else if constexpr (QT == Q6_K) {  // bits 2 jj, 2 jj + 1 of h[0] (h[1]): the top two of quad jj (jj + 4)
+      const __m512i m2 = _mm512_set1_epi8(0x30);
+      lo = _mm512_or_si512(lo, _mm512_and_si512(shift16(_mm512_loadu_si512(u + 256), 4 - 2 * jj), m2));
+      hi = _mm512_or_si512(hi, _mm512_and_si512(shift16(_mm512_loadu_si512(u + 320), 4 - 2 * jj), m2));
+    }
+  }
+}
+
+// Sub-block s (32 weights; 0 for the 32-weight types) of a unit: its 16 rows' a and b ([1]: Q6_K's
+// second 16 weights, whose scale is their own), and where its quads start (for quads()).
+template <int QT>
+inline const uint8_t* sub_block(const uint8_t* unit, int s, __m512 (&a)[2], __m512 (&b)[2]) {
+  if constexpr (QT == Q4_K) {
+    a[0] = _mm512_mul_ps(f16x16(unit), u8x16(unit + 64 + s * G));
+    b[0] = _mm512_mul_ps(f16x16(unit + 32), _mm512_sub_ps(_mm512_setzero_ps(), u8x16(unit + 192 + s * G)));
+    return unit + 320 + s * 256;
+  } else if constexpr (QT == Q6_K) {
+    const __m512 d = f16x16(unit);
+    a[0] = _mm512_mul_ps(d, i8x16(unit + 32 + (2 * s) * G));
+    a[1] = _mm512_mul_ps(d, i8x16(unit + 32 + (2 * s + 1) * G));
+    b[0] = _mm512_mul_ps(a[0], _mm512_set1_ps(-32.0f));
+    b[1] = _mm512_mul_ps(a[1], _mm512_set1_ps(-32.0f));
+    return unit + 288 + s * 384;
+  } else {
+    constexpr int64_t sc = QT == Q8_0 ? 512 : QT == Q5_0 || QT == Q5_1 ? 320 : 256;  // d[16], then m[16]
+    a[0] = f16x16(unit + sc);
+    if constexpr (QT == Q4_1 || QT == Q5_1) b[0] = f16x16(unit + sc + 32);
+    else b[0] = _mm512_mul_ps(a[0], _mm512_set1_ps(QT == Q8_0 ? -128.0f : QT == Q4_0 ? -8.0f : -16.0f));
+    return unit;
+  }
+}
+#endif
+
 }  // namespace pagedserve_quant
+
+// The bf16 prompt path (quant_bf16.cpp), for pagedserve_quant_linear_parts (quant_cpu.cpp).
+extern "C" {
+extern int pagedserve_quant_dequant_rows;
+int pagedserve_quant_linear_bf16(int qt, const void* x, const uint8_t* packed, const void* bias, void* y, int64_t M,
+                                 int64_t N, int64_t K, int64_t ldy);
+}

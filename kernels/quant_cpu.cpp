@@ -43,40 +43,6 @@ inline __m512i bcast(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
 }
-inline __m512 f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline __m512 u8x16(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m512 i8x16(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-inline __m512i shift16(__m512i v, int s) {  // left by s (right by -s) in 16-bit lanes; the callers mask per byte
-  return s > 0 ? _mm512_slli_epi16(v, s) : s < 0 ? _mm512_srli_epi16(v, -s) : v;
-}
-
-// Quads jj and jj + 4 of the block at u (a 32-weight unit, or a K type's sub-block) as unsigned bytes.
-template <int QT>
-inline void quads(const uint8_t* u, int jj, __m512i& lo, __m512i& hi) {
-  if constexpr (QT == Q8_0) {
-    lo = _mm512_loadu_si512(u + 64 * jj);
-    hi = _mm512_loadu_si512(u + 64 * (jj + 4));
-  } else {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), v = _mm512_loadu_si512(u + 64 * jj);
-    lo = _mm512_and_si512(v, m4);
-    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-    if constexpr (QT == Q5_0 || QT == Q5_1) {  // bit j of h: the fifth bit of quad j
-      const __m512i h = _mm512_loadu_si512(u + 256), m1 = _mm512_set1_epi8(0x10);
-      lo = _mm512_or_si512(lo, _mm512_and_si512(shift16(h, 4 - jj), m1));
-      hi = _mm512_or_si512(hi, _mm512_and_si512(shift16(h, -jj), m1));
-    } else if constexpr (QT == Q6_K) {  // bits 2 jj, 2 jj + 1 of h[0] (h[1]): the top two of quad jj (jj + 4)
-      const __m512i m2 = _mm512_set1_epi8(0x30);
-      lo = _mm512_or_si512(lo, _mm512_and_si512(shift16(_mm512_loadu_si512(u + 256), 4 - 2 * jj), m2));
-      hi = _mm512_or_si512(hi, _mm512_and_si512(shift16(_mm512_loadu_si512(u + 320), 4 - 2 * jj), m2));
-    }
-  }
-}
-
 // MM rows of x (from m0) times the 32 weights of block blk of PP groups (unit pointers u[p]), into acc:
 // a, b per group (HALVES: a[p][h], b[p][h] for each 16). The quads are the outer loop, so each weight
 // vector is decoded once and meets MM broadcast activations; the int sums stay in registers.
@@ -129,43 +95,22 @@ template <int QT, int MM, int PP>
 inline void tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, __m512 (&acc)[MT][P],
                  const Prefetch& pf) {
   const int64_t units = x.K / unit_weights(QT), ub = unit_bytes(QT);
-  __m512 a[P][2], b[P][2];
+  __m512 a[P][2], b[P][2];  // w = a q + b per row (Q6_K: [0] the sub-block's first 16 weights, [1] its last)
   const uint8_t* u[P];
   const char* done = pf.next;
   for (int64_t un = 0; un < units; ++un) {
     if (pf.next) prefetch_share(pf, un, done);
     if constexpr (unit_weights(QT) == 32) {
       for (int p = 0; p < PP; ++p) {
-        u[p] = wg + p * gstride + un * ub;
-        if (pf.self) prefetch_unit<QT>(u[p]);  // later row tiles find the unit in cache
-        const int64_t sc = QT == Q8_0 ? 512 : QT == Q5_0 || QT == Q5_1 ? 320 : 256;  // d[16], then m[16]
-        a[p][0] = f16x16(u[p] + sc);
-        if constexpr (QT == Q4_1 || QT == Q5_1) b[p][0] = f16x16(u[p] + sc + 32);
-        else b[p][0] = _mm512_mul_ps(a[p][0], _mm512_set1_ps(QT == Q8_0 ? -128.0f : QT == Q4_0 ? -8.0f : -16.0f));
+        if (pf.self) prefetch_unit<QT>(wg + p * gstride + un * ub);  // later row tiles find the unit in cache
+        u[p] = sub_block<QT>(wg + p * gstride + un * ub, 0, a[p], b[p]);
       }
       dot32<QT, MM, PP, false>(u, a, b, x, m0, un, acc);
     } else {
-      __m512 d[P], dm[P];
-      for (int p = 0; p < PP; ++p) {
+      for (int p = 0; p < PP; ++p)
         if (pf.self) prefetch_unit<QT>(wg + p * gstride + un * ub);
-        d[p] = f16x16(wg + p * gstride + un * ub);
-        if constexpr (QT == Q4_K) dm[p] = f16x16(wg + p * gstride + un * ub + 32);
-      }
       for (int s = 0; s < 8; ++s) {
-        for (int p = 0; p < PP; ++p) {
-          const uint8_t* unit = wg + p * gstride + un * ub;
-          if constexpr (QT == Q4_K) {
-            u[p] = unit + 320 + s * 256;
-            a[p][0] = _mm512_mul_ps(d[p], u8x16(unit + 64 + s * G));
-            b[p][0] = _mm512_mul_ps(dm[p], _mm512_sub_ps(_mm512_setzero_ps(), u8x16(unit + 192 + s * G)));
-          } else {
-            u[p] = unit + 288 + s * 384;
-            a[p][0] = _mm512_mul_ps(d[p], i8x16(unit + 32 + (2 * s) * G));
-            a[p][1] = _mm512_mul_ps(d[p], i8x16(unit + 32 + (2 * s + 1) * G));
-            b[p][0] = _mm512_mul_ps(a[p][0], _mm512_set1_ps(-32.0f));
-            b[p][1] = _mm512_mul_ps(a[p][1], _mm512_set1_ps(-32.0f));
-          }
-        }
+        for (int p = 0; p < PP; ++p) u[p] = sub_block<QT>(wg + p * gstride + un * ub, s, a[p], b[p]);
         dot32<QT, MM, PP, QT == Q6_K>(u, a, b, x, m0, un * 8 + s, acc);
       }
     }
@@ -349,10 +294,18 @@ int pagedserve_quant_linear_parts(int dtype, const void* x, const void* bias, vo
     N += rows[p];
   }
   if (dtype != 0 && dtype != 1) return 2;
+  if (dtype == 1 && M >= pagedserve_quant_dequant_rows) {  // a prompt: the weight decoded to bf16 panels
+    int rc = 0;
+    for (int64_t p = 0, off = 0; p < parts && rc == 0; off += rows[p], ++p)
+      rc = pagedserve_quant_linear_bf16(qtypes[p], x, packed[p], bias ? static_cast<const uint16_t*>(bias) + off : nullptr,
+                                        static_cast<uint16_t*>(y) + off, M, rows[p], K, N);
+    if (rc != 3) return rc;  // 3: no AVX512-BF16 here, and the int8 products below serve it
+  }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   // fp32 activations get two int8 terms, x = q1 d1 + q2 d2 (the second quantizes what the first
   // rounded off), so about 15 bits each instead of 8: the same tiles run 2M rows over one read of
-  // the weight. bf16 activations carry 8 bits already, and one term matches them.
+  // the weight. bf16 activations of decode batches keep one term (llama.cpp's trade: the second
+  // halves the speed where the products are compute-bound); prompts took the bf16 panels above.
   const int64_t MR = dtype == 0 ? 2 * M : M;
   static thread_local std::vector<int8_t> q;
   static thread_local std::vector<float> d, s, two;

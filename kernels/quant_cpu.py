@@ -105,6 +105,32 @@ def activations_as_used(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | 
     return xq, step.double() / 2
 
 
+def dequant_rows() -> int | None:
+    """From this many rows, bf16 activations meet the weight decoded to bf16 panels (quant_bf16.cpp:
+    a prompt); below it, one int8 term of them (a decode batch). None without the library."""
+    lib = cpu_build.load()
+    return None if lib is None else ctypes.c_int.in_dll(lib, "pagedserve_quant_dequant_rows").value
+
+
+def set_dequant_rows(rows: int) -> None:
+    """Move that threshold (benchmarks and tests compare the two paths at one shape). The library's
+    own default, 128 rows, serves callers that do not know what a step holds."""
+    lib = cpu_build.load()
+    if lib is not None:
+        ctypes.c_int.in_dll(lib, "pagedserve_quant_dequant_rows").value = rows
+
+
+NEVER = 1 << 30
+
+
+def prompt_step(prompt: bool) -> None:
+    """Set by the worker before each step: one that holds prompt tokens runs every product of bf16
+    activations on bf16 panels (perplexity as the bf16 model's; the decoding costs a few % at
+    prompt sizes), a decode-only step quantizes them to one int8 term (the speed of a weight read
+    that is a quarter of bf16's, llama.cpp's trade)."""
+    set_dequant_rows(1 if prompt else NEVER)
+
+
 class Parts:
     """Weights side by side for ``linear_parts`` (and the compiled stack's ``Linear``): their packed
     forms (kept alive here), ggml type codes and output rows, as the C arrays, built once per layer."""

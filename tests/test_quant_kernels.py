@@ -10,6 +10,8 @@ loosely to the unquantized x, within the bound that rounding implies: |x - q d|
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import gguf
 import numpy as np
 import pytest
@@ -81,8 +83,12 @@ def test_the_kernels_build_here() -> None:
 
 
 def _references(w: QuantWeight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64 (W @ x as quantized, W @ x, the bound on activation rounding) for x [M, K]."""
+    """float64 (W @ x as the kernel uses them, W @ x, the bound on that rounding) for x [M, K]."""
     wd = dequantize(w).double()
+    if x.dtype == torch.bfloat16 and x.shape[0] >= (quant_cpu.dequant_rows() or quant_cpu.NEVER):
+        # a prompt's rows: x as it is against the weight decoded to bf16 (quant_bf16.cpp)
+        wb = wd.to(torch.bfloat16).double()
+        return x.double() @ wb.T, x.double() @ wd.T, x.double().abs() @ (wd - wb).abs().T
     xq, half_step = quant_cpu.activations_as_used(x)
     # within half a step, plus the float32 rounding of the fp32 residual x - q1 d1 (a few ulp of x)
     slack = 4 * torch.finfo(torch.float32).eps * x.double().abs() if x.dtype == torch.float32 else 1e-5 * half_step
@@ -90,10 +96,21 @@ def _references(w: QuantWeight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return xq @ wd.T, x.double() @ wd.T, half_step @ wd.abs().T
 
 
+@pytest.fixture
+def prompt_rows() -> Iterator[int]:
+    """The rows from which bf16 activations take the bf16 panels, at the library's default (a
+    worker in this process moves it per step), restored after."""
+    before = quant_cpu.dequant_rows()
+    quant_cpu.set_dequant_rows(128)
+    yield 128
+    quant_cpu.set_dequant_rows(before or 128)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("m", [1, 3, 17, 64, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_product_equals_float64_of_the_dequantized_weight(qtype: str, m: int, dtype: torch.dtype) -> None:
+def test_product_equals_float64_of_the_dequantized_weight(qtype: str, m: int, dtype: torch.dtype,
+                                                          prompt_rows: int) -> None:
     block = GGML_QUANT_TYPES[qtype].block_size
     n, k = 45, block * (3 if block == 256 else 13)  # 45 outputs: two groups of 16 and a cut one
     w = prepare(make_weight(qtype, n, k, seed=m))
@@ -109,6 +126,31 @@ def test_product_equals_float64_of_the_dequantized_weight(qtype: str, m: int, dt
     got = y.double() - bias.double()
     assert ((got - ref_q).abs() <= 1e-5 * scale + out_tol * y.double().abs() + 1e-6).all()
     assert ((got - ref).abs() <= bound * 1.001 + 1e-5 * scale + out_tol * y.double().abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_a_prompt_meets_the_weight_in_bf16_and_a_decode_batch_in_int8(qtype: str, prompt_rows: int) -> None:
+    """bf16 activations at one shape, both paths: from ``dequant_rows`` rows up (a prompt step, which
+    the worker marks so) x as it is against the weight rounded to bf16, equal to float64 of that
+    product to fp32 accumulation; below it, x rounded to one int8 term, off that product."""
+    k = GGML_QUANT_TYPES[qtype].block_size * (2 if GGML_QUANT_TYPES[qtype].block_size == 256 else 9)
+    w = prepare(make_weight(qtype, 149, k, seed=7))  # 149 rows: three runs of 48 and a cut group
+    x = (torch.randn(9, k, generator=torch.Generator().manual_seed(7)) * 3).to(torch.bfloat16)
+    wd = dequantize(w).double()
+    ref = x.double() @ wd.to(torch.bfloat16).double().T
+    scale = x.double().abs() @ wd.abs().T
+    try:
+        quant_cpu.set_dequant_rows(9)
+        prompt = quant_linear(x, w).double()
+        quant_cpu.set_dequant_rows(10)
+        decode = quant_linear(x, w).double()
+    finally:
+        quant_cpu.set_dequant_rows(prompt_rows)
+    def within(y: torch.Tensor) -> torch.Tensor:  # fp32 sums, one bf16 rounding of the result
+        return (y - ref).abs() <= 1e-5 * scale + 2 ** -8 * y.abs() + 1e-6
+
+    assert within(prompt).all()
+    assert within(decode).float().mean() < 0.9  # the int8 activations' rounding shows
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -178,9 +220,10 @@ def test_int8_per_channel_weights_run_as_q8_0() -> None:
 
 
 @pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q8_0", "Q4_1"), ("Q5_0",)])
-@pytest.mark.parametrize("m", [1, 5, 19])
+@pytest.mark.parametrize("m", [1, 5, 19, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_parts_side_by_side_equal_float64_and_each_part(types: tuple[str, ...], m: int, dtype: torch.dtype) -> None:
+def test_parts_side_by_side_equal_float64_and_each_part(types: tuple[str, ...], m: int, dtype: torch.dtype,
+                                                        prompt_rows: int) -> None:
     """Weights of different types in one call (q/k/v of Q4_K_M; what the fused stack runs):
     float64 of the dequantized product with x as quantized, and bit for bit each part alone
     with its slice of the bias, written into its own columns."""
