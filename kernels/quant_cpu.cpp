@@ -47,7 +47,7 @@ inline __m512i bcast(const int8_t* p) {
 // a, b per group (HALVES: a[p][h], b[p][h] for each 16). The quads are the outer loop, so each weight
 // vector is decoded once and meets MM broadcast activations; the int sums stay in registers.
 template <int QT, int MM, int PP, bool HALVES>
-inline void dot32(const uint8_t* const (&u)[P], const __m512 (&a)[P][2], const __m512 (&b)[P][2], const Act& x,
+__attribute__((always_inline)) inline void dot32(const uint8_t* const (&u)[P], const __m512 (&a)[P][2], const __m512 (&b)[P][2], const Act& x,
                   int64_t m0, int64_t blk, __m512 (&acc)[MT][P]) {
   const int64_t KB = x.K / 32;
   __m512i i0[MT][P], i1[MT][P];
@@ -91,8 +91,10 @@ inline void prefetch_unit(const uint8_t* u) {
 }
 
 // MM rows from m0 against PP groups whose units start at wg (group p at wg + p * gstride).
+// Inlined into each run_tile, as dot32 into it, so the sums stay in registers (left to the compiler,
+// it kept one out-of-line copy for the fp32 and bf16 outputs: 0.92x at 32-64 rows, 0.88x Q4_1 at 1).
 template <int QT, int MM, int PP>
-inline void tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, __m512 (&acc)[MT][P],
+__attribute__((always_inline)) inline void tile(const uint8_t* wg, int64_t gstride, const Act& x, int64_t m0, __m512 (&acc)[MT][P],
                  const Prefetch& pf) {
   const int64_t units = x.K / unit_weights(QT), ub = unit_bytes(QT);
   __m512 a[P][2], b[P][2];  // w = a q + b per row (Q6_K: [0] the sub-block's first 16 weights, [1] its last)
