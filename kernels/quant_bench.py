@@ -110,15 +110,16 @@ def bench(qtype: str, label: str, n: int, k: int, rows: list[int], repeats: int)
     return lines
 
 
-def _int8(fn: Callable[[int], object]) -> Callable[[int], object]:
-    """``fn`` with bf16 activations quantized to int8 at any row count (the decode batches' path)."""
+def _at(rows: int, fn: Callable[[int], object]) -> Callable[[int], object]:
+    """``fn`` with bf16 activations on the bf16 panels from ``rows`` rows up (1: a prompt step's
+    path, ``quant_cpu.NEVER``: a decode step's int8 products), as the worker sets it per step."""
     def run(i: int) -> object:
-        rows = quant_cpu.dequant_rows() or 0
-        quant_cpu.set_dequant_rows(quant_cpu.NEVER)
+        before = quant_cpu.dequant_rows() or 0
+        quant_cpu.set_dequant_rows(rows)
         try:
             return fn(i)
         finally:
-            quant_cpu.set_dequant_rows(rows)
+            quant_cpu.set_dequant_rows(before)
     return run
 
 
@@ -134,13 +135,13 @@ def bf16_peak(repeats: int, size: int = 2048) -> float:
     return 2.0 * size ** 3 / best / 1e3
 
 
-def step(shape: str, qtypes: list[str], rows: list[int], repeats: int, peak: float) -> list[str]:
+def step(shape: str, qtypes: list[str], rows: list[int], repeats: int, peak: float, prompt: bool = False) -> list[str]:
     """A whole decode step's linear layers (every layer's, then the LM head) at M rows: the
     weights of a real model size, so they stream from memory as in serving. Milliseconds per
     step, against the panels' bf16 (the CPU path's own) on the same dequantized weights, and
     each one's GFLOP/s as a share of ``peak`` (torch's bf16 matmul, measured in the same run).
-    From ``quant_cpu.dequant_rows()`` rows up, "quant" decodes the weight to bf16 panels, and
-    "quant int8" times the int8 products at the same rows."""
+    "quant" is a decode step's int8 products; ``prompt`` adds "quant prompt", a prompt step's
+    blocks decoded to bf16 panels (``quant_bf16.cpp``)."""
     layers = [(label, n, k) for label, n, k in SHAPES[shape] if label != "lm_head"] * LAYERS[shape]
     layers.append(next(s for s in SHAPES[shape] if s[0] == "lm_head"))
     lines = []
@@ -150,13 +151,14 @@ def step(shape: str, qtypes: list[str], rows: list[int], repeats: int, peak: flo
         qbytes = sum(w.nbytes for w in ws)
         for m in rows:
             xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, _, k in layers}
+            quant: Callable[[int], object] = lambda i: [quant_linear(xs[w.shape[1]], w) for w in ws]
             fns: dict[str, Callable[[int], object]] = {
-                "quant": lambda i: [quant_linear(xs[w.shape[1]], w) for w in ws],
+                "quant": _at(quant_cpu.NEVER, quant),
                 "panels bf16": lambda i: [cpu_ops.packed_linear(xs[k], pb, n, None)
                                           for (_, n, k), pb in zip(layers, pbs)],
             }
-            if m >= (quant_cpu.dequant_rows() or 1 << 30):  # a prompt: "quant" decodes to bf16 panels
-                fns["quant int8"] = _int8(fns["quant"])
+            if prompt:
+                fns["quant prompt"] = _at(1, quant)
             us = _times_us(fns, repeats)
             flop = 2.0 * m * sum(n * k for _, n, k in layers)
             parts = [f"{name} {best / 1e3:7.2f} ms (median {med / 1e3:7.2f}) {flop / best / 1e3:6.1f} GF/s "
@@ -177,6 +179,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
     ap.add_argument("--step", action="store_true", help="time whole decode steps' linears instead")
+    ap.add_argument("--prompt", action="store_true", help="with --step: also the prompt steps' path")
     a = ap.parse_args()
     global CLOCK
     CLOCK = time.thread_time if a.clock == "thread" else time.perf_counter
@@ -186,7 +189,7 @@ def main() -> None:
         peak = bf16_peak(a.repeats)
         print(f"peak: torch bf16 mm 2048^3 {peak:.1f} GFLOP/s (best of {a.repeats})", flush=True)
         for shape in a.shapes.split(","):
-            for line in step(shape, a.types.split(","), rows, a.repeats, peak):
+            for line in step(shape, a.types.split(","), rows, a.repeats, peak, a.prompt):
                 print(line, flush=True)
         return
     for shape in a.shapes.split(","):

@@ -10,12 +10,14 @@ of different types), quantizing x once, as the compiled decoder stack
 Both return None where the library cannot run them (not built, no
 AVX512-VNNI, another device or dtype), and ``quant.py`` dequantizes instead.
 
-One path for every shape, chosen by measurement (``python -m
-pagedserve.kernels.quant_bench``, 2026-12-06, 2-core EPYC, one thread, weights
-from memory): the int8 kernel beat the bf16 matmul on the already-dequantized
-weight (the bound on any dequantize-to-bf16 path) at 1, 8, 32 and 64 rows. A
-whole decode step's linears, Q8_0 against the bf16 panels: SmolLM2 1.64x at 1
-row, 1.52x at 8, 1.11x at 64; the 1B shape 1.59x, 1.30x, 1.33x.
+Two paths, chosen per step by the worker (``prompt_step``), measured with
+``python -m pagedserve.kernels.quant_bench --step --prompt`` (2-core EPYC, 1B
+shape, bf16 activations, 2026-12-07): a decode step quantizes the activations to
+int8 and runs the VNNI products (Q8_0 against the bf16 panels on the dequantized
+weight: 1.6x at 1 row, 2026-12-06; 1.25x at 64 and at 256); a step that holds
+prompt tokens decodes the blocks to bf16 panels (``quant_bf16.cpp``: 0.89x the
+panels at 64 rows, 0.99x at 256), for the perplexity of the bf16 model, +0.03 %
+instead of +0.58 %. fp32 activations always run the int8 products, in two terms.
 """
 from __future__ import annotations
 

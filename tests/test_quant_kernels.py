@@ -7,6 +7,8 @@ q1 d1 + q2 d2, the second over what the first rounded off), so it is held
 tightly to float64 of (dequantized W) @ (x as the kernel quantized it), and
 loosely to the unquantized x, within the bound that rounding implies: |x - q d|
 <= d / 2 per element (d2 / 2 for fp32), so |error| <= sum_k |W[n, k]| d(m, k) / 2.
+bf16 activations of a prompt (from ``quant_cpu.dequant_rows()`` rows) meet the
+weight decoded to bf16 instead: held to float64 of x @ bf16(W).
 """
 from __future__ import annotations
 

@@ -273,7 +273,7 @@ def q8_file() -> str:
 
 
 # (file, activations dtype): measured perplexity differences in docs/gpuworker.md (fp32 activations run
-# in two int8 terms, bf16 ones in one)
+# in two int8 terms; bf16 ones meet the blocks decoded to bf16 in prompt steps, which perplexity scores)
 GEMMA = pytest.mark.skipif(os.environ.get(GEMMA_OPT_IN) != "1",
                            reason=f"opt-in ({GEMMA_OPT_IN}=1): converts the 250 MB Gemma 3 270M GGUF (~2 minutes)")
 ACCURACY_CASES = [("Q4_1", "bfloat16"), ("Q8_0", "bfloat16"),
