@@ -114,12 +114,8 @@ def _at(rows: int, fn: Callable[[int], object]) -> Callable[[int], object]:
     """``fn`` with bf16 activations on the bf16 panels from ``rows`` rows up (1: a prompt step's
     path, ``quant_cpu.NEVER``: a decode step's int8 products), as the worker sets it per step."""
     def run(i: int) -> object:
-        before = quant_cpu.dequant_rows() or 0
-        quant_cpu.set_dequant_rows(rows)
-        try:
+        with quant_cpu.dequant_rows_at(rows):
             return fn(i)
-        finally:
-            quant_cpu.set_dequant_rows(before)
     return run
 
 

@@ -21,9 +21,11 @@ instead of +0.58 %. fp32 activations always run the int8 products, in two terms.
 """
 from __future__ import annotations
 
-import torch
-
 import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
 
 from pagedserve.kernels import cpu_build
 
@@ -107,19 +109,38 @@ def activations_as_used(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | 
     return xq, step.double() / 2
 
 
+def _rows_var() -> ctypes.c_int | None:
+    """The library's ``pagedserve_quant_dequant_rows`` (quant_bf16.cpp), or None without it."""
+    lib = cpu_build.load()
+    return None if lib is None else ctypes.c_int.in_dll(lib, "pagedserve_quant_dequant_rows")
+
+
 def dequant_rows() -> int | None:
     """From this many rows, bf16 activations meet the weight decoded to bf16 panels (quant_bf16.cpp:
     a prompt); below it, one int8 term of them (a decode batch). None without the library."""
-    lib = cpu_build.load()
-    return None if lib is None else ctypes.c_int.in_dll(lib, "pagedserve_quant_dequant_rows").value
+    var = _rows_var()
+    return None if var is None else var.value
 
 
 def set_dequant_rows(rows: int) -> None:
-    """Move that threshold (benchmarks and tests compare the two paths at one shape). The library's
-    own default, 128 rows, serves callers that do not know what a step holds."""
-    lib = cpu_build.load()
-    if lib is not None:
-        ctypes.c_int.in_dll(lib, "pagedserve_quant_dequant_rows").value = rows
+    """Move that threshold. The library's own default (128, quant_bf16.cpp) serves callers that do
+    not know what a step holds; the worker sets it per step (``prompt_step``)."""
+    var = _rows_var()
+    if var is not None:
+        var.value = rows
+
+
+@contextmanager
+def dequant_rows_at(rows: int) -> Iterator[None]:
+    """The threshold at ``rows`` inside the block, restored after (benchmarks and tests compare the
+    two paths at one shape)."""
+    before = dequant_rows()
+    set_dequant_rows(rows)
+    try:
+        yield
+    finally:
+        if before is not None:
+            set_dequant_rows(before)
 
 
 NEVER = 1 << 30

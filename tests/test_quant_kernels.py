@@ -100,12 +100,10 @@ def _references(w: QuantWeight, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 @pytest.fixture
 def prompt_rows() -> Iterator[int]:
-    """The rows from which bf16 activations take the bf16 panels, at the library's default (a
-    worker in this process moves it per step), restored after."""
-    before = quant_cpu.dequant_rows()
-    quant_cpu.set_dequant_rows(128)
-    yield 128
-    quant_cpu.set_dequant_rows(before or 128)
+    """The rows from which bf16 activations take the bf16 panels, at the library's default, 128
+    (between the 64 and 130 rows of the tests; a worker in this process moves it per step), restored after."""
+    with quant_cpu.dequant_rows_at(128):
+        yield 128
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -141,13 +139,10 @@ def test_a_prompt_meets_the_weight_in_bf16_and_a_decode_batch_in_int8(qtype: str
     wd = dequantize(w).double()
     ref = x.double() @ wd.to(torch.bfloat16).double().T
     scale = x.double().abs() @ wd.abs().T
-    try:
-        quant_cpu.set_dequant_rows(9)
+    with quant_cpu.dequant_rows_at(9):
         prompt = quant_linear(x, w).double()
-        quant_cpu.set_dequant_rows(10)
+    with quant_cpu.dequant_rows_at(10):
         decode = quant_linear(x, w).double()
-    finally:
-        quant_cpu.set_dequant_rows(prompt_rows)
     def within(y: torch.Tensor) -> torch.Tensor:  # fp32 sums, one bf16 rounding of the result
         return (y - ref).abs() <= 1e-5 * scale + 2 ** -8 * y.abs() + 1e-6
 
