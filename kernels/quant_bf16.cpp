@@ -115,16 +115,7 @@ int pagedserve_quant_linear_bf16(int qt, const void* x, const uint8_t* packed, c
   const auto* xs = static_cast<const uint16_t*>(x);
   const auto* bs = static_cast<const uint16_t*>(bias);
   auto* ys = static_cast<uint16_t*>(y);
-  switch (qt) {
-    case Q8_0: linear<Q8_0>(xs, packed, bs, ys, M, N, K, ldy); break;
-    case Q4_0: linear<Q4_0>(xs, packed, bs, ys, M, N, K, ldy); break;
-    case Q4_1: linear<Q4_1>(xs, packed, bs, ys, M, N, K, ldy); break;
-    case Q5_0: linear<Q5_0>(xs, packed, bs, ys, M, N, K, ldy); break;
-    case Q5_1: linear<Q5_1>(xs, packed, bs, ys, M, N, K, ldy); break;
-    case Q4_K: linear<Q4_K>(xs, packed, bs, ys, M, N, K, ldy); break;
-    case Q6_K: linear<Q6_K>(xs, packed, bs, ys, M, N, K, ldy); break;
-    default: return 1;
-  }
+  if (!with_type(qt, [&](auto t) { linear<decltype(t)::value>(xs, packed, bs, ys, M, N, K, ldy); })) return 1;
 #endif
   return 0;
 }

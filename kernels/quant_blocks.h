@@ -18,6 +18,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -50,6 +51,22 @@ inline int64_t file_block_bytes(int qt) {
     case Q4_K: return 144;
     case Q6_K: return 210;
     default: return 0;
+  }
+}
+
+// f(std::integral_constant<int, QT>{}) for the ggml type qt, so a kernel is instantiated per type
+// once, here; false for a type not packed here.
+template <typename F>
+inline bool with_type(int qt, F&& f) {
+  switch (qt) {
+    case Q8_0: f(std::integral_constant<int, Q8_0>{}); return true;
+    case Q4_0: f(std::integral_constant<int, Q4_0>{}); return true;
+    case Q4_1: f(std::integral_constant<int, Q4_1>{}); return true;
+    case Q5_0: f(std::integral_constant<int, Q5_0>{}); return true;
+    case Q5_1: f(std::integral_constant<int, Q5_1>{}); return true;
+    case Q4_K: f(std::integral_constant<int, Q4_K>{}); return true;
+    case Q6_K: f(std::integral_constant<int, Q6_K>{}); return true;
+    default: return false;
   }
 }
 

@@ -189,15 +189,7 @@ void linear(const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M,
 
 template <typename T>
 void dispatch(int qt, const Act& x, const uint8_t* packed, const T* bias, T* y, int64_t M, int64_t N, int64_t ldy) {
-  switch (qt) {
-    case Q8_0: linear<Q8_0>(x, packed, bias, y, M, N, ldy); break;
-    case Q4_0: linear<Q4_0>(x, packed, bias, y, M, N, ldy); break;
-    case Q4_1: linear<Q4_1>(x, packed, bias, y, M, N, ldy); break;
-    case Q5_0: linear<Q5_0>(x, packed, bias, y, M, N, ldy); break;
-    case Q5_1: linear<Q5_1>(x, packed, bias, y, M, N, ldy); break;
-    case Q4_K: linear<Q4_K>(x, packed, bias, y, M, N, ldy); break;
-    case Q6_K: linear<Q6_K>(x, packed, bias, y, M, N, ldy); break;
-  }
+  with_type(qt, [&](auto t) { linear<decltype(t)::value>(x, packed, bias, y, M, N, ldy); });
 }
 #else
 constexpr bool HAVE_VNNI = false;
