@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <omp.h>
+#include <type_traits>
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -111,6 +112,24 @@ inline void thread_part(int64_t n, int64_t& lo, int64_t& hi) {
   const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
   lo = n * tid / nt;
   hi = n * (tid + 1) / nt;
+}
+
+// f(std::integral_constant<int, r>{}) for a tile of r rows, 1 <= r <= MAX <= 8: the tile's row count a
+// compile-time constant, so its loops over rows unroll and its sums stay in registers.
+template <int MAX, typename F>
+__attribute__((always_inline)) inline void with_rows(int64_t r, F&& f) {
+  static_assert(MAX >= 1 && MAX <= 8, "with_rows unrolls tiles of up to 8 rows");
+  switch (r) {
+#define PAGEDSERVE_ROWS(n) \
+  case n:                  \
+    if constexpr (n <= MAX) f(std::integral_constant<int, n>{}); \
+    break;
+    PAGEDSERVE_ROWS(1) PAGEDSERVE_ROWS(2) PAGEDSERVE_ROWS(3) PAGEDSERVE_ROWS(4) PAGEDSERVE_ROWS(5)
+    PAGEDSERVE_ROWS(6) PAGEDSERVE_ROWS(7) PAGEDSERVE_ROWS(8)
+#undef PAGEDSERVE_ROWS
+    default:
+      break;
+  }
 }
 
 inline void prefetch_share(const Prefetch& pf, int64_t step, const char*& done) {

@@ -107,20 +107,11 @@ inline void panel_rows(const T* x, const T* wp, const T* bias, T* y, int64_t M, 
     const Prefetch pf = tile_prefetch(next, next_bytes > 0 ? next_bytes : group_bytes, t, tiles, steps);
     const T* xr = x + m0 * K;
     T* yr = y + m0 * ldy;
-    switch (rows) {  // unrolled at compile time
-#define PAGEDSERVE_ROWS(r) \
-  case r:                  \
-    if constexpr (r <= MT) { run_tile<r, PP>(xr, wp, bias, yr, N, K, n0, ldy, pf); } \
-    break;
-      PAGEDSERVE_ROWS(1) PAGEDSERVE_ROWS(2) PAGEDSERVE_ROWS(3) PAGEDSERVE_ROWS(4) PAGEDSERVE_ROWS(5)
-      PAGEDSERVE_ROWS(6) PAGEDSERVE_ROWS(7) PAGEDSERVE_ROWS(8)
-#undef PAGEDSERVE_ROWS
-      default:
-        break;
-    }
+    with_rows<MT>(rows, [&](auto r) __attribute__((always_inline)) {
+      run_tile<decltype(r)::value, PP>(xr, wp, bias, yr, N, K, n0, ldy, pf);
+    });
     m0 += rows;
   }
 }
-static_assert(MT <= 8, "panel_rows unrolls tiles of up to 8 rows");
 
 }  // namespace pagedserve_panels

@@ -144,21 +144,11 @@ inline void groups_rows(const uint8_t* wg, int64_t gstride, const Act& x, int64_
   const int64_t tiles = (M + R - 1) / R, units = x.K / unit_weights(QT), run_bytes = PP * gstride;
   for (int64_t t = 0, m0 = 0; t < tiles; ++t, m0 += R) {
     const Prefetch pf = tile_prefetch(next, run_bytes, t, tiles, units);
-    switch (std::min<int64_t>(R, M - m0)) {  // unrolled at compile time (a generic lambda here cost 2-5 %)
-#define PAGEDSERVE_ROWS(r) \
-  case r:                  \
-    if constexpr (r <= R) { run_tile<QT, r, PP>(wg, gstride, x, m0, n0, N, bias, y, ldy, pf); } \
-    break;
-      PAGEDSERVE_ROWS(1) PAGEDSERVE_ROWS(2) PAGEDSERVE_ROWS(3) PAGEDSERVE_ROWS(4) PAGEDSERVE_ROWS(5)
-      PAGEDSERVE_ROWS(6) PAGEDSERVE_ROWS(7) PAGEDSERVE_ROWS(8)
-#undef PAGEDSERVE_ROWS
-      default:
-        break;
-    }
+    with_rows<R>(std::min<int64_t>(R, M - m0), [&](auto r) __attribute__((always_inline)) {
+      run_tile<QT, decltype(r)::value, PP>(wg, gstride, x, m0, n0, N, bias, y, ldy, pf);
+    });
   }
 }
-
-static_assert(MT <= 8, "groups_rows unrolls tiles of up to 8 rows");
 
 // PP groups per tile and R rows per tile, over each thread's contiguous part of the groups.
 template <int QT, int PP, int R, typename T>
