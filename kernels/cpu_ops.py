@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import cpu_build
+from pagedserve.kernels import cpu_build, cpu_memory
 from pagedserve.kernels.cpu_attention import DTYPE_CODES, kv_code, scale_ptr
 
 
@@ -133,7 +133,7 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor | None:
     if code is None or weight.dim() != 2 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 != 0):
         return None
     n, k = weight.shape
-    packed = torch.empty((-(-n // PANEL) * PANEL, k), dtype=weight.dtype)
+    packed = cpu_memory.empty((-(-n // PANEL) * PANEL, k), weight.dtype)  # streamed each step: 2 MiB pages
     rc = cpu_build.load().pagedserve_linear_pack(code, weight.data_ptr(), packed.data_ptr(), n, k)
     if rc != 0:
         raise ValueError(f"pack_linear: bad shapes (code {rc})")

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from pagedserve.kernels import cpu_build
+from pagedserve.kernels import cpu_build, cpu_memory
 
 GROUP = 16  # output rows per packed group
 UNIT_BYTES = {"Q8_0": 544, "Q4_0": 288, "Q4_1": 320, "Q5_0": 352, "Q5_1": 384, "Q4_K": 2368,
@@ -57,7 +57,7 @@ def repack(blocks: torch.Tensor, qtype: str, code: int, n: int, k: int) -> torch
     if lib is None or blocks.device.type != "cpu" or qtype not in UNIT_BYTES or not _vnni():
         return None
     data = blocks.contiguous()
-    packed = torch.empty(packed_bytes(qtype, n, k), dtype=torch.uint8)
+    packed = cpu_memory.empty((packed_bytes(qtype, n, k),), torch.uint8)  # streamed each step: 2 MiB pages
     rc = lib.pagedserve_quant_repack(code, data.data_ptr(), packed.data_ptr(), n, k, packed.numel())
     if rc != 0:
         raise ValueError(f"quant repack {qtype} ({n}, {k}): bad arguments (code {rc})")
