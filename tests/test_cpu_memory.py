@@ -87,3 +87,15 @@ def test_small_or_switched_off_is_plain_torch_empty() -> None:
     t = cpu_memory.empty((1 << 20,), torch.float32)
     assert not t.untyped_storage().resizable() and t.shape == (1 << 20,) and t.dtype == torch.float32
 
+
+def test_the_huge_pages_benchmark_pairs_the_two_copies(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m benchmarks huge-pages`` on SmolLM2's shapes: its huge copy is in huge pages
+    (the LM head's 56 MB at least) and each row count has a paired ratio."""
+    import json
+
+    from benchmarks import huge_pages
+
+    assert huge_pages.main(["--shape", "smol", "--rows", "1,2", "--kind", "bf16", "--repeats", "3"]) == 0
+    res = json.loads(capsys.readouterr().out)["results"]["bf16"]
+    assert res["huge_copy_in_huge_pages_mib"] >= 40, res
+    assert all(res[m]["ratio"] > 0 and res[m]["small_ms"] > 0 for m in ("1", "2")), res
