@@ -2,7 +2,7 @@
 (``kernels/cpu_memory.py``) against the same weights in 4 KiB pages, in one process.
 
 Every weight of a shape's step (its layers' qkv, o, gate_up and down, and the LM head)
-is packed twice, once with ``PAGEDSERVE_HUGE_PAGES=0``; then each repeat times the
+is packed twice, once inside ``cpu_memory.small_pages()``; then each repeat times the
 whole step from one copy and from the other, in alternating order, so the machine's
 drifting read rate (this VM's moves between ~50 and ~87 GB/s within seconds) meets
 both alike. Reported per row count: the median of the paired ratios (small / huge)
@@ -13,8 +13,8 @@ with its quartiles, and each copy's median time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,8 +36,7 @@ def anon_huge_kb() -> int:
 
 def packed_step(shape: str, kind: str, huge: bool) -> Callable[[dict[int, torch.Tensor]], None]:
     """The step's linears over weights packed with huge pages on or off; call with {K: x}."""
-    os.environ[cpu_memory.ENV] = "1" if huge else "0"
-    try:
+    with contextlib.nullcontext() if huge else cpu_memory.small_pages():
         layers = [(n, k) for _, n, k in SHAPES[shape][:-1]] * LAYERS[shape] + [SHAPES[shape][-1][1:]]
         if kind == "bf16":
             panels = [cpu_ops.pack_linear(torch.randn(n, k).to(torch.bfloat16)) for n, k in layers]
@@ -45,8 +44,6 @@ def packed_step(shape: str, kind: str, huge: bool) -> Callable[[dict[int, torch.
         blocks = {(n, k): random_weight(kind, n, k).data for n, k in set(layers)}  # quantized once per shape
         weights = [prepare(QuantWeight(blocks[n, k], kind, (n, k)), keep_blocks=False) for n, k in layers]
         return lambda xs: [quant_linear(xs[w.shape[1]], w) for w in weights]
-    finally:
-        os.environ.pop(cpu_memory.ENV)
 
 
 def main(argv: list[str]) -> int:

@@ -13,18 +13,19 @@ linears from a copy in each kind of page, in turn, in one process): bf16
 panels 1.03-1.05x at 1-16 rows and Q8_0 blocks 1.02-1.04x at a read rate of
 ~50 GB/s, up to 1.16x at ~75 GB/s; ~1.0x at 32 rows (compute-bound).
 
-``PAGEDSERVE_HUGE_PAGES=0`` leaves the pages small (for that A/B).
+``small_pages()`` leaves them in 4 KiB pages (for that A/B).
 """
 from __future__ import annotations
 
 import math
 import mmap
-import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 HUGE_PAGE = 1 << 21  # x86-64's transparent huge page
-ENV = "PAGEDSERVE_HUGE_PAGES"
+_huge = True  # off inside small_pages()
 
 
 def thp_mode() -> str:
@@ -42,7 +43,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     it. (Advice holds only for pages not yet touched, and a chunk malloc hands
     back may be reused heap; a fresh mapping is also returned whole when freed.)"""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or os.environ.get(ENV, "1") == "0":
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or not _huge:
         return torch.empty(shape, dtype=dtype)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared would be shmem: no THP
     try:
@@ -50,3 +51,14 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     except OSError:
         pass  # THP compiled out: small pages, as torch.empty would give
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps buf alive
+
+
+@contextmanager
+def small_pages() -> Iterator[None]:
+    """Weights packed inside the block keep torch's 4 KiB pages (the A/B's other copy)."""
+    global _huge
+    before, _huge = _huge, False
+    try:
+        yield
+    finally:
+        _huge = before

@@ -3,9 +3,7 @@ weight's whole huge pages are backed by transparent huge pages, which the kernel
 per mapping in /proc/self/smaps, and the packed bytes are those of the plain packing."""
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+import contextlib
 
 import pytest
 import torch
@@ -42,13 +40,8 @@ def whole_huge_page(t: torch.Tensor) -> int:
     return start
 
 
-@contextmanager
-def huge_pages(on: bool) -> Iterator[None]:
-    os.environ[cpu_memory.ENV] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        os.environ.pop(cpu_memory.ENV)
+def huge_pages(on: bool) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if on else cpu_memory.small_pages()
 
 
 def packed_panels(on: bool) -> torch.Tensor:
@@ -79,7 +72,7 @@ def test_a_packed_weight_sits_in_huge_pages(pack) -> None:  # type: ignore[no-un
 
 
 def test_small_or_switched_off_is_plain_torch_empty() -> None:
-    """Under 2 MiB, or with PAGEDSERVE_HUGE_PAGES=0, no mapping of its own (its storage is
+    """Under 2 MiB, or inside small_pages(), no mapping of its own (its storage is
     torch's, resizable; a frombuffer view's is not)."""
     assert cpu_memory.empty((1000,), torch.float32).untyped_storage().resizable()
     with huge_pages(False):
