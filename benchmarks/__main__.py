@@ -9,9 +9,9 @@ import sys
 import benchmarks
 
 # Modules that are not benchmarks: helpers, and the scripts that run inside .venv-peers.
-HELPERS = {"peer_engines", "vllm_server", "vllm_diff_accepted", "vllm_diff_bodies", "vllm_diff_compare",
-           "vllm_diff_corpus", "vllm_diff_invalid", "vllm_diff_tools", "vllm_peer_worker", "vllm_bench_client",
-           "guidellm", "soak_client", "multiturn_client"}
+HELPERS = {"peer_engines", "peer_slices", "vllm_server", "vllm_diff_accepted", "vllm_diff_bodies",
+           "vllm_diff_compare", "vllm_diff_corpus", "vllm_diff_invalid", "vllm_diff_tools", "vllm_peer_worker",
+           "vllm_bench_client", "guidellm", "soak_client", "multiturn_client"}
 
 
 def names() -> list[str]:

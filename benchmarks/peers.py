@@ -28,6 +28,7 @@ from typing import Any
 
 from benchmarks.peer_engines import (PEERS_VENV, Engine, HFEngine, PagedserveEngine, VllmEngine, Work,
                                            set_paused)
+from benchmarks.peer_slices import sliced_round
 from pagedserve.bench.workloads import machine_info, sample_lengths, synthetic_prompt
 
 # Output/prompt scale per workload: ShareGPT x0.25 keeps a CPU run to minutes
@@ -173,6 +174,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--fresh", action="store_true", help="each round starts every engine anew (one workload): "
                    "no prefix cache or warm state carried between rounds")
     p.add_argument("--text", action="store_true", help="the text path: every engine detokenizes in its timed run")
+    p.add_argument("--slice", type=float, default=None, metavar="S",
+                   help="time-sliced rounds: the engines run each workload at once, S seconds each in turn (the "
+                        "others SIGSTOPped); an engine's time is the sum of its slices (benchmarks/peer_slices.py)")
     args = p.parse_args(argv)
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
     wls = [w.strip() for w in args.workload.split(",") if w.strip()]
@@ -180,6 +184,8 @@ def main(argv: list[str]) -> int:
         p.error(f"unknown engine or workload: {unknown}")
     if args.repeats < 1 or args.requests < 1:
         p.error("--repeats and --requests must be positive")
+    if args.slice is not None and (args.slice <= 0 or "hf" in names):
+        p.error("--slice takes a positive number of seconds, and engines with processes of their own (not hf)")
 
     from pagedserve.common.default_model import resolve_model
 
@@ -228,6 +234,19 @@ def main(argv: list[str]) -> int:
         print("bench peers: the engines not being measured are paused (SIGSTOP)", file=sys.stderr, flush=True)
         for r in range(args.repeats):
             for w in wls:
+                if args.slice is not None:
+                    if args.fresh and r > 0:
+                        for e in rotated(names, r):
+                            engines[e].close()
+                            engines[e] = make(e)
+                            engines[e].start()
+                    for e, (run, secs) in sliced_round(engines, rotated(names, r), w, args.slice).items():
+                        times[w][e].append(secs)
+                        outputs[w][e].append(run.ids)
+                        texts[w].setdefault(e, run.texts)
+                        print(f"bench peers: round {r + 1}/{args.repeats} {w} {e}: {secs:.2f} s in its slices "
+                              f"({run.seconds:.2f} s of wall clock)", file=sys.stderr, flush=True)
+                    continue
                 for e in rotated(names, r):
                     if args.fresh and r > 0:  # a new process: no cache or warm state from the last round
                         set_paused(engines[e], False)  # a stopped process would not see its close

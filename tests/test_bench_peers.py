@@ -215,3 +215,64 @@ def test_the_fixed_workload_gives_every_request_one_shape() -> None:
     assert len({tuple(p) for p, _ in work}) == 8
     assert {o for _, o in build_workload("fixed", 2, 0, 1000, 4096, None)} == {128}
     assert build_workload("fixed", 8, 0, 1000, 4096, 192) == work
+
+
+def test_sliced_rounds_time_each_engine_by_its_own_slices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--slice: both engines run each round at once, one at a time on the machine; each
+    engine's time is its slices' sum, under its wall clock (the other's slices fall in it)."""
+    import re
+
+    model = make_tiny_model(tmp_path, "llama", seed=0)
+    assert peers.main(["--model", model, "--engines", "pagedserve,pagedserve-sync", "--requests", "4",
+                       "--max-output", "150", "--repeats", "2", "--workload", "fixed", "--slice", "0.05",
+                       "--out", str(tmp_path / "out"), "--serve-arg=--kv-cache-memory=16MiB"]) == 0
+    out = capsys.readouterr()
+    s = _result(out.out)["workloads"]["fixed"]
+    assert s["greedy_match"]["pagedserve-sync"]["identical"] == 4
+    rounds = re.findall(r"round \d/2 fixed (\S+): ([\d.]+) s in its slices \(([\d.]+) s of wall clock\)", out.err)
+    assert sorted(e for e, _, _ in rounds) == ["pagedserve"] * 2 + ["pagedserve-sync"] * 2, out.err
+    assert all(0 < float(a) < float(w) for _, a, w in rounds), rounds
+    for e in ("pagedserve", "pagedserve-sync"):  # the JSON's times are the slices' sums
+        assert s["engines"][e]["seconds"] == pytest.approx([float(a) for e2, a, _ in rounds if e2 == e], abs=0.006)
+
+
+def test_a_sliced_round_runs_one_engine_at_a_time(tmp_path: Path) -> None:
+    """Two processes that log a timestamp every 5 ms, sliced 50 ms each in turn: their logs
+    alternate in runs (a few dozen switches), where left to run at once they would interleave
+    at nearly every line; each one's time is about its own 0.5 s of work."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.peer_engines import RunResult
+    from benchmarks.peer_slices import sliced_round
+
+    class Logger:
+        def __init__(self, name: str) -> None:
+            self.log = tmp_path / name
+            code = ("import sys, time\nwith open(sys.argv[1], 'a') as f:\n    for _ in range(100):\n"
+                    "        f.write(f'{time.time()}\\n'); f.flush(); time.sleep(0.005)")
+            self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.log)])
+            self.proc.send_signal(signal.SIGSTOP)  # before the interpreter is up: nothing logged yet
+
+        def pids(self) -> list[int]:
+            return [self.proc.pid]
+
+        def run(self, workload: str) -> RunResult:
+            t0 = time.perf_counter()
+            self.proc.wait()
+            return RunResult(time.perf_counter() - t0, [], None)
+
+    engines = {"a": Logger("a"), "b": Logger("b")}
+    try:
+        out = sliced_round(engines, ["a", "b"], "w", 0.05)  # type: ignore[arg-type]
+    finally:
+        for e in engines.values():
+            e.proc.kill()
+    stamps = sorted([(float(t), e) for e in "ab" for t in (tmp_path / e).read_text().split()])
+    assert len(stamps) == 200
+    switches = sum(x[1] != y[1] for x, y in zip(stamps, stamps[1:]))
+    assert 4 <= switches <= 60, switches
+    for run, secs in out.values():
+        assert 0.45 <= secs <= 3 and run.seconds > secs, (secs, run.seconds)

@@ -1,0 +1,64 @@
+"""Time-sliced rounds for ``bench peers --slice S``: every engine runs the workload at
+once, but only one holds the machine at a time.
+
+This VM's memory read rate is not one number: a 2-thread read loop held ~50 GB/s for
+48 s, then ~87 GB/s for 10 s, then ~50 again (2026-12-07). A decode step of a few rows
+is bound by that rate, so two engines measured one after the other, each for a ~20 s
+round, can meet different rates, and a round's ratio moved 1.04-1.23x between rounds.
+Here each engine in turn runs for ``S`` seconds while the others are SIGSTOPped, until
+all have finished; an engine's time is the sum of its own slices up to its last token.
+With slices much shorter than the rate's phases, every engine meets the same mix.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from benchmarks.peer_engines import Engine, RunResult, process_tree
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def sliced_round(engines: dict[str, Engine], order: list[str], workload: str,
+                 slice_s: float) -> dict[str, tuple[RunResult, float]]:
+    """Each engine's run of ``workload`` and its seconds on the machine; ``order``: who goes first."""
+    trees = {e: [p for root in engines[e].pids() for p in process_tree(root)] for e in order}
+    for e in order:
+        _signal(trees[e], signal.SIGSTOP)
+    results: dict[str, RunResult] = {}
+    errors: dict[str, BaseException] = {}
+
+    def run(e: str) -> None:
+        try:
+            results[e] = engines[e].run(workload)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors[e] = exc
+
+    threads = {e: threading.Thread(target=run, args=(e,), daemon=True) for e in order}
+    for t in threads.values():
+        t.start()  # the clients submit; the stopped servers take the requests when they run
+    active = dict.fromkeys(order, 0.0)
+    try:
+        while any(t.is_alive() for t in threads.values()):
+            for e in order:
+                if not threads[e].is_alive():
+                    continue
+                _signal(trees[e], signal.SIGCONT)
+                t0 = time.perf_counter()
+                threads[e].join(slice_s)
+                active[e] += time.perf_counter() - t0
+                _signal(trees[e], signal.SIGSTOP)
+    finally:
+        for e in order:
+            _signal(trees[e], signal.SIGCONT)
+    if errors:
+        raise next(iter(errors.values()))
+    return {e: (results[e], active[e]) for e in order}
