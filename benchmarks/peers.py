@@ -186,6 +186,8 @@ def main(argv: list[str]) -> int:
         p.error("--repeats and --requests must be positive")
     if args.slice is not None and (args.slice <= 0 or "hf" in names):
         p.error("--slice takes a positive number of seconds, and engines with processes of their own (not hf)")
+    if args.slice is not None:  # a step stopped midway reads as contention to the CPU worker's thread governor
+        os.environ["PAGEDSERVE_WORKER_ADAPTIVE"] = "0"
 
     from pagedserve.common.default_model import resolve_model
 
