@@ -45,6 +45,7 @@ LONG_SYSTEM_TOKENS, LONG_OWN_TOKENS, LONG_OUTPUT_TOKENS = 1000, (500, 1000), 128
 # pagedserve-async / -sync: --async-scheduling on / off (the default is auto: on with CUDA only)
 ENGINES = ("pagedserve", "pagedserve-async", "pagedserve-sync", "hf", "vllm")
 DEFAULT_ENGINES = ("pagedserve", "hf", "vllm")
+ADAPTIVE = "PAGEDSERVE_WORKER_ADAPTIVE"  # gpuworker/cpu_contention.py's switch
 
 
 def build_workload(name: str, n: int, seed: int, vocab: int, max_len: int, max_output: int | None) -> Work:
@@ -186,8 +187,6 @@ def main(argv: list[str]) -> int:
         p.error("--repeats and --requests must be positive")
     if args.slice is not None and (args.slice <= 0 or "hf" in names):
         p.error("--slice takes a positive number of seconds, and engines with processes of their own (not hf)")
-    if args.slice is not None:  # a step stopped midway reads as contention to the CPU worker's thread governor
-        os.environ["PAGEDSERVE_WORKER_ADAPTIVE"] = "0"
 
     from pagedserve.common.default_model import resolve_model
 
@@ -214,6 +213,9 @@ def main(argv: list[str]) -> int:
         return VllmEngine(model_dir, work, max_len, Path(args.peers_python), args.dtype, text=args.text)
 
     engines: dict[str, Engine] = {}
+    governor = os.environ.get(ADAPTIVE)
+    if args.slice is not None:  # a step stopped midway reads as contention to the CPU worker's thread governor
+        os.environ[ADAPTIVE] = "0"  # for the servers started below; restored after
     try:
         for e in names:
             eng = make(e)
@@ -269,6 +271,10 @@ def main(argv: list[str]) -> int:
         for eng in engines.values():
             set_paused(eng, False)  # a stopped process would not see its close
             eng.close()
+        if governor is None:
+            os.environ.pop(ADAPTIVE, None)
+        else:
+            os.environ[ADAPTIVE] = governor
 
     summary = _summarize(times, work, names)
     ref = names[0]

@@ -220,12 +220,15 @@ def test_the_fixed_workload_gives_every_request_one_shape() -> None:
 def test_sliced_rounds_time_each_engine_by_its_own_slices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--slice: both engines run each round at once, one at a time on the machine; each
     engine's time is its slices' sum, under its wall clock (the other's slices fall in it)."""
+    import os
     import re
 
     model = make_tiny_model(tmp_path, "llama", seed=0)
     assert peers.main(["--model", model, "--engines", "pagedserve,pagedserve-sync", "--requests", "4",
                        "--max-output", "150", "--repeats", "2", "--workload", "fixed", "--slice", "0.05",
                        "--out", str(tmp_path / "out"), "--serve-arg=--kv-cache-memory=16MiB"]) == 0
+    assert "PAGEDSERVE_WORKER_ADAPTIVE" not in os.environ  # set for its servers only: their governor is off
+    assert "contention:" not in (tmp_path / "out" / "pagedserve-server.log").read_text()
     out = capsys.readouterr()
     s = _result(out.out)["workloads"]["fixed"]
     assert s["greedy_match"]["pagedserve-sync"]["identical"] == 4
