@@ -14,28 +14,19 @@ another process on its cores (one run with it on: 70 of 342 steps on one thread)
 """
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
 
-from benchmarks.peer_engines import Engine, RunResult, process_tree
-
-
-def _signal(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+from benchmarks.peer_engines import Engine, RunResult, engine_pids, signal_all
 
 
 def sliced_round(engines: dict[str, Engine], order: list[str], workload: str,
                  slice_s: float) -> dict[str, tuple[RunResult, float]]:
     """Each engine's run of ``workload`` and its seconds on the machine; ``order``: who goes first."""
-    trees = {e: [p for root in engines[e].pids() for p in process_tree(root)] for e in order}
+    trees = {e: engine_pids(engines[e]) for e in order}  # once: walking /proc costs ms a slice
     for e in order:
-        _signal(trees[e], signal.SIGSTOP)
+        signal_all(trees[e], signal.SIGSTOP)
     results: dict[str, RunResult] = {}
     errors: dict[str, BaseException] = {}
 
@@ -54,14 +45,14 @@ def sliced_round(engines: dict[str, Engine], order: list[str], workload: str,
             for e in order:
                 if not threads[e].is_alive():
                     continue
-                _signal(trees[e], signal.SIGCONT)
+                signal_all(trees[e], signal.SIGCONT)
                 t0 = time.perf_counter()
                 threads[e].join(slice_s)
                 active[e] += time.perf_counter() - t0
-                _signal(trees[e], signal.SIGSTOP)
+                signal_all(trees[e], signal.SIGSTOP)
     finally:
         for e in order:
-            _signal(trees[e], signal.SIGCONT)
+            signal_all(trees[e], signal.SIGCONT)
     if errors:
         raise next(iter(errors.values()))
     return {e: (results[e], active[e]) for e in order}
