@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peer_engines import (PEERS_VENV, Engine, HFEngine, PagedserveEngine, VllmEngine, Work,
-                                           set_paused)
+from benchmarks.peer_engines import (PEERS_VENV, Engine, HFEngine, PagedserveEngine, RunResult, VllmEngine,
+                                           Work, set_paused)
 from benchmarks.peer_slices import sliced_round
 from pagedserve.bench.workloads import machine_info, sample_lengths, synthetic_prompt
 
@@ -236,37 +236,39 @@ def main(argv: list[str]) -> int:
         outputs: dict[str, dict[str, list[list[list[int]]]]] = {w: {e: [] for e in names} for w in wls}
         texts: dict[str, dict[str, list[str] | None]] = {w: {} for w in wls}  # each engine's first run
         print("bench peers: the engines not being measured are paused (SIGSTOP)", file=sys.stderr, flush=True)
+
+        def fresh(e: str, r: int) -> None:
+            """A new process of ``e`` for round ``r``: no cache or warm state from the last round."""
+            set_paused(engines[e], False)  # a stopped process would not see its close
+            engines[e].close()
+            engines[e] = make(e)
+            engines[e].start()
+            if isinstance(engines[e], PagedserveEngine):
+                engines[e].log_path = Path(args.out) / f"{e}-server-{r + 1}.log"
+
+        def record(w: str, e: str, r: int, run: RunResult, seconds: float, how: str = "") -> None:
+            times[w][e].append(seconds)
+            outputs[w][e].append(run.ids)
+            texts[w].setdefault(e, run.texts)
+            print(f"bench peers: round {r + 1}/{args.repeats} {w} {e}: {seconds:.2f} s{how}", file=sys.stderr,
+                  flush=True)
+
         for r in range(args.repeats):
             for w in wls:
+                order = rotated(names, r)
                 if args.slice is not None:
-                    if args.fresh and r > 0:
-                        for e in rotated(names, r):
-                            engines[e].close()
-                            engines[e] = make(e)
-                            engines[e].start()
-                    for e, (run, secs) in sliced_round(engines, rotated(names, r), w, args.slice).items():
-                        times[w][e].append(secs)
-                        outputs[w][e].append(run.ids)
-                        texts[w].setdefault(e, run.texts)
-                        print(f"bench peers: round {r + 1}/{args.repeats} {w} {e}: {secs:.2f} s in its slices "
-                              f"({run.seconds:.2f} s of wall clock)", file=sys.stderr, flush=True)
+                    for e in order if args.fresh and r > 0 else []:  # all before the round: they run it at once
+                        fresh(e, r)
+                    for e, (run, secs) in sliced_round(engines, order, w, args.slice).items():
+                        record(w, e, r, run, secs, f" in its slices ({run.seconds:.2f} s of wall clock)")
                     continue
-                for e in rotated(names, r):
-                    if args.fresh and r > 0:  # a new process: no cache or warm state from the last round
-                        set_paused(engines[e], False)  # a stopped process would not see its close
-                        engines[e].close()
-                        engines[e] = make(e)
-                        engines[e].start()
-                        if isinstance(engines[e], PagedserveEngine):
-                            engines[e].log_path = Path(args.out) / f"{e}-server-{r + 1}.log"
+                for e in order:
+                    if args.fresh and r > 0:
+                        fresh(e, r)
                     for other in names:
                         set_paused(engines[other], other != e)
                     run = engines[e].run(w)
-                    times[w][e].append(run.seconds)
-                    outputs[w][e].append(run.ids)
-                    texts[w].setdefault(e, run.texts)
-                    print(f"bench peers: round {r + 1}/{args.repeats} {w} {e}: {run.seconds:.2f} s", file=sys.stderr,
-                          flush=True)
+                    record(w, e, r, run, run.seconds)
     finally:
         for eng in engines.values():
             set_paused(eng, False)  # a stopped process would not see its close

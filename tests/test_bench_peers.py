@@ -226,9 +226,10 @@ def test_sliced_rounds_time_each_engine_by_its_own_slices(tmp_path: Path, capsys
     model = make_tiny_model(tmp_path, "llama", seed=0)
     assert peers.main(["--model", model, "--engines", "pagedserve,pagedserve-sync", "--requests", "4",
                        "--max-output", "150", "--repeats", "2", "--workload", "fixed", "--slice", "0.05",
-                       "--out", str(tmp_path / "out"), "--serve-arg=--kv-cache-memory=16MiB"]) == 0
+                       "--fresh", "--out", str(tmp_path / "out"), "--serve-arg=--kv-cache-memory=16MiB"]) == 0
     assert "PAGEDSERVE_WORKER_ADAPTIVE" not in os.environ  # set for its servers only: their governor is off
-    assert "contention:" not in (tmp_path / "out" / "pagedserve-server.log").read_text()
+    for log in ("pagedserve-server.log", "pagedserve-server-2.log", "pagedserve-sync-server-2.log"):  # 2: fresh
+        assert "contention:" not in (tmp_path / "out" / log).read_text(), log
     out = capsys.readouterr()
     s = _result(out.out)["workloads"]["fixed"]
     assert s["greedy_match"]["pagedserve-sync"]["identical"] == 4
