@@ -42,7 +42,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     an anonymous mapping of its own advised MADV_HUGEPAGE before anything touches
     it. (Advice holds only for pages not yet touched, and a chunk malloc hands
     back may be reused heap; a fresh mapping is also returned whole when freed.)"""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or not _huge:
         return torch.empty(shape, dtype=dtype)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared would be shmem: no THP
