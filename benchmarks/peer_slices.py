@@ -11,19 +11,66 @@ With slices much shorter than the rate's phases, every engine meets the same mix
 pagedserve's worker then runs with its thread governor off (PAGEDSERVE_WORKER_ADAPTIVE=0):
 a step stopped midway has a low CPU time over wall time, which the governor reads as
 another process on its cores (one run with it on: 70 of 342 steps on one thread).
+
+With ``--roofline`` a read-rate probe (``python -m benchmarks roofline --probe``: a 1B decode
+step of bf16 panels at one row, over and over) takes a slice of its own in each turn, so the
+rate it reads is the mix the engines met, and each round gets its least time (roofline.py's
+bound at that rate and torch's bf16 peak): how close an engine came, and how far any could go.
 """
 from __future__ import annotations
 
+import json
 import signal
+import statistics
+import subprocess
+import sys
 import threading
 import time
 
 from benchmarks.peer_engines import Engine, RunResult, engine_pids, signal_all
 
 
-def sliced_round(engines: dict[str, Engine], order: list[str], workload: str,
-                 slice_s: float) -> dict[str, tuple[RunResult, float]]:
-    """Each engine's run of ``workload`` and its seconds on the machine; ``order``: who goes first."""
+class ReadProbe:
+    """The probe process and its samples, read by a thread as they come; stopped between slices."""
+
+    def __init__(self, shape: str = "1b") -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks", "roofline", "--probe", shape],
+                                     stdout=subprocess.PIPE, text=True)
+        first = self.proc.stdout.readline() if self.proc.stdout else ""  # measured before any round runs
+        if not first:
+            raise RuntimeError("the read-rate probe did not start")
+        self.peak_gflop_s: float = json.loads(first)["peak_gflop_s"]
+        self.samples: list[tuple[float, int, float]] = []  # (seconds, bytes, Unix end time)
+        self.pids = [self.proc.pid]
+        threading.Thread(target=self._read, daemon=True).start()
+        time.sleep(0.5)  # its panels packed, before it is stopped
+        signal_all(self.pids, signal.SIGSTOP)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout or []:
+            d = json.loads(line)
+            self.samples.append((d["s"], d["bytes"], d["end"]))
+
+    def rate_since(self, i: int) -> float:
+        """GB/s over the samples from index ``i``, leaving out those a stop cut through (> 3x the median)."""
+        time.sleep(0.2)  # the last sample through the pipe
+        got = self.samples[i:]
+        if not got:
+            return 0.0
+        cut = 3 * statistics.median(s for s, _, _ in got)
+        kept = [(s, b) for s, b, _ in got if s <= cut]
+        return sum(b for _, b in kept) / sum(s for s, _ in kept) / 1e9
+
+    def close(self) -> None:
+        signal_all(self.pids, signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait()
+
+
+def sliced_round(engines: dict[str, Engine], order: list[str], workload: str, slice_s: float,
+                 probe: ReadProbe | None = None) -> dict[str, tuple[RunResult, float]]:
+    """Each engine's run of ``workload`` and its seconds on the machine; ``order``: who goes first;
+    ``probe``: a slice of its own after each turn of the engines."""
     trees = {e: engine_pids(engines[e]) for e in order}  # once: walking /proc costs ms a slice
     for e in order:
         signal_all(trees[e], signal.SIGSTOP)
@@ -50,6 +97,10 @@ def sliced_round(engines: dict[str, Engine], order: list[str], workload: str,
                 threads[e].join(slice_s)
                 active[e] += time.perf_counter() - t0
                 signal_all(trees[e], signal.SIGSTOP)
+            if probe is not None and any(t.is_alive() for t in threads.values()):
+                signal_all(probe.pids, signal.SIGCONT)
+                time.sleep(slice_s)
+                signal_all(probe.pids, signal.SIGSTOP)
     finally:
         for e in order:
             signal_all(trees[e], signal.SIGCONT)

@@ -28,7 +28,8 @@ from typing import Any
 
 from benchmarks.peer_engines import (PEERS_VENV, Engine, HFEngine, PagedserveEngine, RunResult, VllmEngine,
                                            Work, set_paused)
-from benchmarks.peer_slices import sliced_round
+from benchmarks.peer_slices import ReadProbe, sliced_round
+from benchmarks.roofline import bound_seconds, model_shape
 from pagedserve.bench.workloads import machine_info, sample_lengths, synthetic_prompt
 
 # Output/prompt scale per workload: ShareGPT x0.25 keeps a CPU run to minutes
@@ -178,6 +179,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--slice", type=float, default=None, metavar="S",
                    help="time-sliced rounds: the engines run each workload at once, S seconds each in turn (the "
                         "others SIGSTOPped); an engine's time is the sum of its slices (benchmarks/peer_slices.py)")
+    p.add_argument("--roofline", nargs="?", const="1b", choices=("1b", "smol"), default=None,
+                   help="with --slice: a read-rate probe (a decode step of this shape's bf16 panels at one row, "
+                        "default 1b) takes a slice of its own, and each round gets its least time at that rate "
+                        "(benchmarks/roofline.py)")
     args = p.parse_args(argv)
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
     wls = [w.strip() for w in args.workload.split(",") if w.strip()]
@@ -187,6 +192,8 @@ def main(argv: list[str]) -> int:
         p.error("--repeats and --requests must be positive")
     if args.slice is not None and (args.slice <= 0 or "hf" in names):
         p.error("--slice takes a positive number of seconds, and engines with processes of their own (not hf)")
+    if args.roofline and args.slice is None:
+        p.error("--roofline needs --slice (the probe runs in the engines' turns)")
 
     from pagedserve.common.default_model import resolve_model
 
@@ -213,6 +220,8 @@ def main(argv: list[str]) -> int:
         return VllmEngine(model_dir, work, max_len, Path(args.peers_python), args.dtype, text=args.text)
 
     engines: dict[str, Engine] = {}
+    probe: ReadProbe | None = None
+    bounds: dict[str, list[dict[str, float]]] = {w: [] for w in wls}  # --roofline: each round's rate and bound
     governor = os.environ.get(ADAPTIVE)
     if args.slice is not None:  # a step stopped midway reads as contention to the CPU worker's thread governor
         os.environ[ADAPTIVE] = "0"  # for the servers started below; restored after
@@ -259,8 +268,17 @@ def main(argv: list[str]) -> int:
                 if args.slice is not None:
                     for e in order if args.fresh and r > 0 else []:  # all before the round: they run it at once
                         fresh(e, r)
-                    for e, (run, secs) in sliced_round(engines, order, w, args.slice).items():
+                    if args.roofline and probe is None:
+                        probe = ReadProbe(args.roofline)
+                    first = len(probe.samples) if probe else 0
+                    for e, (run, secs) in sliced_round(engines, order, w, args.slice, probe).items():
                         record(w, e, r, run, secs, f" in its slices ({run.seconds:.2f} s of wall clock)")
+                    if probe is not None:
+                        rate = {"read_gb_s": probe.rate_since(first), "peak_gflop_s": probe.peak_gflop_s}
+                        bound = bound_seconds([(len(ids), o) for ids, o in work[w]], model_shape(model_dir), rate)
+                        bounds[w].append({**rate, "bound_s": bound["total_s"]})
+                        print(f"bench peers: round {r + 1} {w}: probe read {rate['read_gb_s']:.1f} GB/s, "
+                              f"least time {bound['total_s']:.2f} s", file=sys.stderr, flush=True)
                     continue
                 for e in order:
                     if args.fresh and r > 0:
@@ -273,6 +291,8 @@ def main(argv: list[str]) -> int:
         for eng in engines.values():
             set_paused(eng, False)  # a stopped process would not see its close
             eng.close()
+        if probe is not None:
+            probe.close()
         if governor is None:
             os.environ.pop(ADAPTIVE, None)
         else:
@@ -291,6 +311,11 @@ def main(argv: list[str]) -> int:
         # Runs of one engine that differ from its own first run (batching nondeterminism).
         summary[w]["unstable_runs"] = {e: sum(o != outputs[w][e][0] for o in outputs[w][e][1:]) for e in names}
         summary[w]["output_tokens_by_engine"] = {e: sum(map(len, outputs[w][e][0])) for e in names}
+        if bounds[w]:  # an engine's share of each round's least time; the lead an engine at the bound would have
+            shares = {e: [b["bound_s"] / t for b, t in zip(bounds[w], times[w][e])] for e in names}
+            summary[w]["roofline"] = {"rounds": bounds[w], "share_of_bound": shares,
+                                      "lead_at_the_bound": {e: statistics.median(1 / x for x in v)
+                                                            for e, v in shares.items()}}
     labels = {e: engines[e].label for e in names}
     gaps = {e: g for e in names if (g := getattr(engines[e], "idle_gaps", ""))}
     res: dict[str, Any] = {"bench": "peers", "machine": machine_info(), "model": os.path.basename(model_dir.rstrip("/")),
@@ -321,6 +346,9 @@ def _print_table(res: dict[str, Any]) -> None:
             print(f"  {res['labels'][e]:<38}{v['median_tok_s']:>13.1f}{v['min_tok_s']:>9.1f}{v['max_tok_s']:>9.1f}")
         for k, v in s["median_ratio"].items():
             print(f"  median ratio {k}: {v:.2f}x")
+        for e, v in s.get("roofline", {}).get("lead_at_the_bound", {}).items():
+            share = statistics.median(s["roofline"]["share_of_bound"][e])
+            print(f"  {res['labels'][e]}: {share:.0%} of the least time (median); an engine at it: {v:.2f}x")
         for e, m in s["greedy_match"].items():
             flag = "" if m["identical"] == m["of"] else "  GREEDY MISMATCH"
             print(f"  greedy ids {s['greedy_reference']} vs {e}: {m['identical']}/{m['of']} requests identical{flag}")

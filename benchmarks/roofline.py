@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from benchmarks.peers import build_workload
 
 
 def model_shape(model_dir: str) -> dict[str, int]:
@@ -37,25 +38,60 @@ def model_shape(model_dir: str) -> dict[str, int]:
         "max_position_embeddings", 4096), "vocab": vocab}
 
 
+def panel_step(shape: str = "1b") -> tuple[Callable[[], object], int] | None:
+    """A decode step of bf16 panels at one row (the layer linears of quant_bench's ``shape``:
+    the 1B's 64 read 1.9 GB) and the bytes it reads; None where the panels do not build."""
+    import torch
+
+    from pagedserve.kernels import cpu_ops
+    from pagedserve.kernels.quant_bench import LAYERS, SHAPES
+
+    layers = [(n, k) for label, n, k in SHAPES[shape] if label != "lm_head"] * LAYERS[shape]
+    panels = [cpu_ops.pack_linear(torch.randn(n, k).to(torch.bfloat16)) for n, k in layers]
+    if panels[0] is None:
+        return None
+    xs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in layers}
+    return (lambda: [cpu_ops.packed_linear(xs[k], p, n, None) for (n, k), p in zip(layers, panels)],
+            sum(n * k * 2 for n, k in layers))
+
+
 def rates(repeats: int = 5) -> dict[str, float]:
     """GB/s read and bf16 GFLOP/s peak, best of ``repeats`` (quant_bench's timer and 1B decode step)."""
     import torch
 
-    from pagedserve.kernels import cpu_ops
-    from pagedserve.kernels.quant_bench import LAYERS, SHAPES, _times_us, bf16_peak
+    from pagedserve.kernels.quant_bench import _times_us, bf16_peak
 
     big = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
-    layers = [(n, k) for label, n, k in SHAPES["1b"] if label != "lm_head"] * LAYERS["1b"]
-    panels = [cpu_ops.pack_linear(torch.randn(n, k).to(torch.bfloat16)) for n, k in layers]
-    xs = {k: torch.randn(1, k).to(torch.bfloat16) for _, k in layers}
+    step = panel_step()
     fns: dict[str, Any] = {"sum": lambda i: big.sum()}
-    if panels[0] is not None:
-        fns["panels"] = lambda i: [cpu_ops.packed_linear(xs[k], p, n, None) for (n, k), p in zip(layers, panels)]
+    if step is not None:
+        fns["panels"] = lambda i: step[0]()
     best = {name: b / 1e6 for name, (b, _) in _times_us(fns, repeats).items()}
     sum_gb_s = big.numel() * 4 / best["sum"] / 1e9
-    panels_gb_s = sum(n * k * 2 for n, k in layers) / best["panels"] / 1e9 if "panels" in best else 0.0
+    panels_gb_s = step[1] / best["panels"] / 1e9 if step is not None else 0.0
     return {"read_gb_s": max(sum_gb_s, panels_gb_s), "sum_gb_s": sum_gb_s, "panels_gb_s": panels_gb_s,
             "peak_gflop_s": bf16_peak(repeats)}
+
+
+def probe(out: TextIO, shape: str = "1b") -> None:
+    """``--probe``, for ``bench peers --slice S --roofline``: torch's bf16 peak as a first JSON
+    line, then one line per panel step (its seconds, bytes and Unix end time) until killed. The bench stops and
+    continues this process in turn with the engines, so its samples meet the same read-rate phases."""
+    from pagedserve.kernels.quant_bench import bf16_peak
+
+    out.write(json.dumps({"peak_gflop_s": bf16_peak(5)}) + "\n")
+    out.flush()
+    step = panel_step(shape)
+    if step is None:
+        return
+    try:
+        while True:
+            t0 = time.perf_counter()
+            step[0]()
+            out.write(json.dumps({"s": time.perf_counter() - t0, "bytes": step[1], "end": time.time()}) + "\n")
+            out.flush()
+    except BrokenPipeError:  # the reader is gone
+        return
 
 
 def bound_seconds(work: list[tuple[int, int]], shape: dict[str, int], r: dict[str, float]) -> dict[str, float]:
@@ -74,13 +110,21 @@ def bound_seconds(work: list[tuple[int, int]], shape: dict[str, int], r: dict[st
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks roofline", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="HF folder (its config.json)")
+    p.add_argument("--probe", nargs="?", const="1b", choices=("1b", "smol"), default=None,
+                   help="sample the read rate for ever, a step of this shape at a time (bench peers --roofline)")
+    p.add_argument("--model", default=None, help="HF folder (its config.json); required but with --probe")
     p.add_argument("--workload", default="sharegpt")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-output", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--times", default=None, help="a peers JSON: each engine's median time as a share of the bound")
     args = p.parse_args(argv)
+    if args.probe:
+        probe(sys.stdout, args.probe)
+        return 0
+    if args.model is None:
+        p.error("--model is required")
+    from benchmarks.peers import build_workload  # here: peers imports this module for its --roofline
     shape = model_shape(args.model)
     work = [(len(ids), o) for ids, o in build_workload(args.workload, args.requests, args.seed, shape["vocab"],
                                                          shape["max_len"], args.max_output)]

@@ -10,6 +10,7 @@ import pytest
 from models import make_tiny_model
 
 from benchmarks import peers
+from benchmarks.peer_engines import RunResult
 
 
 def _result(out: str) -> dict:
@@ -226,7 +227,8 @@ def test_sliced_rounds_time_each_engine_by_its_own_slices(tmp_path: Path, capsys
     model = make_tiny_model(tmp_path, "llama", seed=0)
     assert peers.main(["--model", model, "--engines", "pagedserve,pagedserve-sync", "--requests", "4",
                        "--max-output", "150", "--repeats", "2", "--workload", "fixed", "--slice", "0.05",
-                       "--fresh", "--out", str(tmp_path / "out"), "--serve-arg=--kv-cache-memory=16MiB"]) == 0
+                       "--fresh", "--roofline", "smol", "--out", str(tmp_path / "out"),
+                       "--serve-arg=--kv-cache-memory=16MiB"]) == 0
     assert "PAGEDSERVE_WORKER_ADAPTIVE" not in os.environ  # set for its servers only: their governor is off
     for log in ("pagedserve-server.log", "pagedserve-server-2.log", "pagedserve-sync-server-2.log"):  # 2: fresh
         assert "contention:" not in (tmp_path / "out" / log).read_text(), log
@@ -238,37 +240,52 @@ def test_sliced_rounds_time_each_engine_by_its_own_slices(tmp_path: Path, capsys
     assert all(0 < float(a) < float(w) for _, a, w in rounds), rounds
     for e in ("pagedserve", "pagedserve-sync"):  # the JSON's times are the slices' sums
         assert s["engines"][e]["seconds"] == pytest.approx([float(a) for e2, a, _ in rounds if e2 == e], abs=0.006)
+    # --roofline: each round's probe rate and the schedule's least time at it; each engine's share of it.
+    from benchmarks.roofline import bound_seconds, model_shape
+    work = [(len(ids), o) for ids, o in peers.build_workload("fixed", 4, 0, 1000, 4096, 150)]
+    roof = s["roofline"]
+    assert len(roof["rounds"]) == 2 and all(1 < b["read_gb_s"] < 1000 for b in roof["rounds"]), roof
+    for b in roof["rounds"]:
+        assert b["bound_s"] == pytest.approx(bound_seconds(work, model_shape(model), b)["total_s"])
+    for e in ("pagedserve", "pagedserve-sync"):
+        shares = [b["bound_s"] / t for b, t in zip(roof["rounds"], s["engines"][e]["seconds"])]
+        assert roof["share_of_bound"][e] == pytest.approx(shares)
+        assert roof["lead_at_the_bound"][e] == pytest.approx(sum(1 / x for x in shares) / 2)  # median of 2
+    assert "of the least time (median); an engine at it:" in out.out
+
+
+class _Logger:
+    """An engine of one process that logs a timestamp every 5 ms, 100 times; stopped until sliced."""
+
+    def __init__(self, log: Path) -> None:
+        import signal
+        import subprocess
+        import sys
+
+        self.log = log
+        code = ("import sys, time\nwith open(sys.argv[1], 'a') as f:\n    for _ in range(100):\n"
+                "        f.write(f'{time.time()}\\n'); f.flush(); time.sleep(0.005)")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, str(log)])
+        self.proc.send_signal(signal.SIGSTOP)  # before the interpreter is up: nothing logged yet
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid]
+
+    def run(self, workload: str) -> RunResult:
+        import time
+
+        t0 = time.perf_counter()
+        self.proc.wait()
+        return RunResult(time.perf_counter() - t0, [], None)
 
 
 def test_a_sliced_round_runs_one_engine_at_a_time(tmp_path: Path) -> None:
     """Two processes that log a timestamp every 5 ms, sliced 50 ms each in turn: their logs
     alternate in runs (a few dozen switches), where left to run at once they would interleave
     at nearly every line; each one's time is about its own 0.5 s of work."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from benchmarks.peer_engines import RunResult
     from benchmarks.peer_slices import sliced_round
 
-    class Logger:
-        def __init__(self, name: str) -> None:
-            self.log = tmp_path / name
-            code = ("import sys, time\nwith open(sys.argv[1], 'a') as f:\n    for _ in range(100):\n"
-                    "        f.write(f'{time.time()}\\n'); f.flush(); time.sleep(0.005)")
-            self.proc = subprocess.Popen([sys.executable, "-c", code, str(self.log)])
-            self.proc.send_signal(signal.SIGSTOP)  # before the interpreter is up: nothing logged yet
-
-        def pids(self) -> list[int]:
-            return [self.proc.pid]
-
-        def run(self, workload: str) -> RunResult:
-            t0 = time.perf_counter()
-            self.proc.wait()
-            return RunResult(time.perf_counter() - t0, [], None)
-
-    engines = {"a": Logger("a"), "b": Logger("b")}
+    engines = {"a": _Logger(tmp_path / "a"), "b": _Logger(tmp_path / "b")}
     try:
         out = sliced_round(engines, ["a", "b"], "w", 0.05)  # type: ignore[arg-type]
     finally:
@@ -280,3 +297,36 @@ def test_a_sliced_round_runs_one_engine_at_a_time(tmp_path: Path) -> None:
     assert 4 <= switches <= 60, switches
     for run, secs in out.values():
         assert 0.45 <= secs <= 3 and run.seconds > secs, (secs, run.seconds)
+
+
+def test_the_read_probe_reads_in_slices_of_its_own(tmp_path: Path) -> None:
+    """--roofline's probe takes a turn after the engines': its whole samples (those no stop cut
+    through) hold none of an engine's timestamps, it sampled while the round ran, and nothing
+    after; its rate is a memory read rate, and close() leaves no process."""
+    from benchmarks.peer_slices import ReadProbe, sliced_round
+
+    probe = ReadProbe("smol")
+    try:
+        assert 50 < probe.peak_gflop_s < 1e5
+        engines = {"a": _Logger(tmp_path / "a"), "b": _Logger(tmp_path / "b")}
+        try:
+            first = len(probe.samples)
+            sliced_round(engines, ["a", "b"], "w", 0.05, probe)  # type: ignore[arg-type]
+        finally:
+            for e in engines.values():
+                e.proc.kill()
+        rate, got = probe.rate_since(first), probe.samples[first:]
+        cut = 3 * sorted(s for s, _, _ in got)[len(got) // 2]
+        whole = [(end - s, end) for s, _, end in got if s <= cut]
+        assert len(whole) >= 3, got
+        stamps = [float(t) for e in "ab" for t in (tmp_path / e).read_text().split()]
+        inside = [t for t in stamps if any(a < t < b for a, b in whole)]
+        assert not inside, (inside, whole)
+        assert 1 < rate < 1000, rate  # GB/s: 212 MB a step, beyond the caches
+        count = len(probe.samples)
+        import time
+        time.sleep(0.3)
+        assert len(probe.samples) == count  # stopped between rounds
+    finally:
+        probe.close()
+    assert probe.proc.poll() is not None

@@ -28,3 +28,14 @@ def test_model_shape_counts_llama_1b(tmp_path: Path) -> None:
     s = model_shape(str(tmp_path))
     assert s["params"] == 16 * (2048 * 3072 + 2048 * 2048 + 3 * 2048 * 8192) + 49152 * 2048
     assert s["kv_bytes"] == 16 * 2 * 512 * 2
+
+
+def test_the_probe_rate_leaves_out_samples_a_stop_cut_through() -> None:
+    """A sample the bench stopped midway (its time holds the others' slices) is not a read rate."""
+    from benchmarks.peer_slices import ReadProbe
+
+    probe = ReadProbe.__new__(ReadProbe)
+    probe.samples = [(9.0, 1, 0.0)] + [(0.06, 2_000_000_000, 0.0)] * 4 + [(2.06, 2_000_000_000, 0.0)]
+    assert probe.rate_since(1) == pytest.approx(2 / 0.06)  # the 2.06 s sample left out, the first before i
+    probe.samples.append((0.04, 2_000_000_000, 0.0))
+    assert probe.rate_since(1) == pytest.approx(10 / 0.28)
