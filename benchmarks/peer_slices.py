@@ -16,6 +16,8 @@ With ``--roofline`` a read-rate probe (``python -m benchmarks roofline --probe``
 step of bf16 panels at one row, over and over) takes a slice of its own in each turn, so the
 rate it reads is the mix the engines met, and each round gets its least time (roofline.py's
 bound at that rate and torch's bf16 peak): how close an engine came, and how far any could go.
+Slicing is not free, and not equally: on a Zen 4 VM (2026-12-07) vLLM's sliced 1B rounds ran
+5-22 % over its whole ones, ours 0-13 %, so report whole rounds beside sliced ones.
 """
 from __future__ import annotations
 
@@ -50,6 +52,12 @@ class ReadProbe:
         for line in self.proc.stdout or []:
             d = json.loads(line)
             self.samples.append((d["s"], d["bytes"], d["end"]))
+
+    def sample(self, seconds: float) -> None:
+        """Run alone for ``seconds`` (the caller has paused the engines)."""
+        signal_all(self.pids, signal.SIGCONT)
+        time.sleep(seconds)
+        signal_all(self.pids, signal.SIGSTOP)
 
     def rate_since(self, i: int) -> float:
         """GB/s over the samples from index ``i``, leaving out those a stop cut through (> 3x the median)."""
@@ -98,9 +106,7 @@ def sliced_round(engines: dict[str, Engine], order: list[str], workload: str, sl
                 active[e] += time.perf_counter() - t0
                 signal_all(trees[e], signal.SIGSTOP)
             if probe is not None and any(t.is_alive() for t in threads.values()):
-                signal_all(probe.pids, signal.SIGCONT)
-                time.sleep(slice_s)
-                signal_all(probe.pids, signal.SIGSTOP)
+                probe.sample(slice_s)
     finally:
         for e in order:
             signal_all(trees[e], signal.SIGCONT)

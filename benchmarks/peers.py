@@ -47,6 +47,7 @@ LONG_SYSTEM_TOKENS, LONG_OWN_TOKENS, LONG_OUTPUT_TOKENS = 1000, (500, 1000), 128
 ENGINES = ("pagedserve", "pagedserve-async", "pagedserve-sync", "hf", "vllm")
 DEFAULT_ENGINES = ("pagedserve", "hf", "vllm")
 ADAPTIVE = "PAGEDSERVE_WORKER_ADAPTIVE"  # gpuworker/cpu_contention.py's switch
+PROBE_S = 2.0  # --roofline without --slice: the probe's time alone before and after each run
 
 
 def build_workload(name: str, n: int, seed: int, vocab: int, max_len: int, max_output: int | None) -> Work:
@@ -180,9 +181,9 @@ def main(argv: list[str]) -> int:
                    help="time-sliced rounds: the engines run each workload at once, S seconds each in turn (the "
                         "others SIGSTOPped); an engine's time is the sum of its slices (benchmarks/peer_slices.py)")
     p.add_argument("--roofline", nargs="?", const="1b", choices=("1b", "smol"), default=None,
-                   help="with --slice: a read-rate probe (a decode step of this shape's bf16 panels at one row, "
-                        "default 1b) takes a slice of its own, and each round gets its least time at that rate "
-                        "(benchmarks/roofline.py)")
+                   help="a read-rate probe (a decode step of this shape's bf16 panels at one row, default 1b) "
+                        "runs alone for 2 s before and after each engine's round (with --slice: a slice of its own "
+                        "in each turn); each round gets its least time at that rate (benchmarks/roofline.py)")
     args = p.parse_args(argv)
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
     wls = [w.strip() for w in args.workload.split(",") if w.strip()]
@@ -192,8 +193,6 @@ def main(argv: list[str]) -> int:
         p.error("--repeats and --requests must be positive")
     if args.slice is not None and (args.slice <= 0 or "hf" in names):
         p.error("--slice takes a positive number of seconds, and engines with processes of their own (not hf)")
-    if args.roofline and args.slice is None:
-        p.error("--roofline needs --slice (the probe runs in the engines' turns)")
 
     from pagedserve.common.default_model import resolve_model
 
@@ -221,7 +220,8 @@ def main(argv: list[str]) -> int:
 
     engines: dict[str, Engine] = {}
     probe: ReadProbe | None = None
-    bounds: dict[str, list[dict[str, float]]] = {w: [] for w in wls}  # --roofline: each round's rate and bound
+    # --roofline: each engine's rounds' read rates and least times
+    bounds: dict[str, dict[str, list[dict[str, float]]]] = {w: {e: [] for e in names} for w in wls}
     governor = os.environ.get(ADAPTIVE)
     if args.slice is not None:  # a step stopped midway reads as contention to the CPU worker's thread governor
         os.environ[ADAPTIVE] = "0"  # for the servers started below; restored after
@@ -262,31 +262,44 @@ def main(argv: list[str]) -> int:
             print(f"bench peers: round {r + 1}/{args.repeats} {w} {e}: {seconds:.2f} s{how}", file=sys.stderr,
                   flush=True)
 
+        def bound(w: str, e: str, first: int) -> None:
+            """--roofline: the least time of ``w`` at the probe's rate over its samples from ``first``."""
+            rate = {"read_gb_s": probe.rate_since(first), "peak_gflop_s": probe.peak_gflop_s}
+            least = bound_seconds([(len(ids), o) for ids, o in work[w]], model_shape(model_dir), rate)["total_s"]
+            bounds[w][e].append({**rate, "bound_s": least})
+            print(f"bench peers: {w} {e}: probe read {rate['read_gb_s']:.1f} GB/s, least time {least:.2f} s",
+                  file=sys.stderr, flush=True)
+
         for r in range(args.repeats):
             for w in wls:
                 order = rotated(names, r)
+                if args.roofline and probe is None:
+                    probe = ReadProbe(args.roofline)
                 if args.slice is not None:
                     for e in order if args.fresh and r > 0 else []:  # all before the round: they run it at once
                         fresh(e, r)
-                    if args.roofline and probe is None:
-                        probe = ReadProbe(args.roofline)
                     first = len(probe.samples) if probe else 0
                     for e, (run, secs) in sliced_round(engines, order, w, args.slice, probe).items():
                         record(w, e, r, run, secs, f" in its slices ({run.seconds:.2f} s of wall clock)")
-                    if probe is not None:
-                        rate = {"read_gb_s": probe.rate_since(first), "peak_gflop_s": probe.peak_gflop_s}
-                        bound = bound_seconds([(len(ids), o) for ids, o in work[w]], model_shape(model_dir), rate)
-                        bounds[w].append({**rate, "bound_s": bound["total_s"]})
-                        print(f"bench peers: round {r + 1} {w}: probe read {rate['read_gb_s']:.1f} GB/s, "
-                              f"least time {bound['total_s']:.2f} s", file=sys.stderr, flush=True)
+                        if probe is not None:
+                            bound(w, e, first)
                     continue
                 for e in order:
                     if args.fresh and r > 0:
                         fresh(e, r)
+                    if probe is not None:  # the probe alone just before and just after the run
+                        for other in names:
+                            set_paused(engines[other], True)
+                        first = len(probe.samples)
+                        probe.sample(PROBE_S)
                     for other in names:
                         set_paused(engines[other], other != e)
                     run = engines[e].run(w)
                     record(w, e, r, run, run.seconds)
+                    if probe is not None:
+                        set_paused(engines[e], True)
+                        probe.sample(PROBE_S)
+                        bound(w, e, first)
     finally:
         for eng in engines.values():
             set_paused(eng, False)  # a stopped process would not see its close
@@ -311,8 +324,8 @@ def main(argv: list[str]) -> int:
         # Runs of one engine that differ from its own first run (batching nondeterminism).
         summary[w]["unstable_runs"] = {e: sum(o != outputs[w][e][0] for o in outputs[w][e][1:]) for e in names}
         summary[w]["output_tokens_by_engine"] = {e: sum(map(len, outputs[w][e][0])) for e in names}
-        if bounds[w]:  # an engine's share of each round's least time; the lead an engine at the bound would have
-            shares = {e: [b["bound_s"] / t for b, t in zip(bounds[w], times[w][e])] for e in names}
+        if any(bounds[w].values()):  # an engine's share of each round's least time; the lead an engine at it would have
+            shares = {e: [b["bound_s"] / t for b, t in zip(bounds[w][e], times[w][e])] for e in names}
             summary[w]["roofline"] = {"rounds": bounds[w], "share_of_bound": shares,
                                       "lead_at_the_bound": {e: statistics.median(1 / x for x in v)
                                                             for e, v in shares.items()}}

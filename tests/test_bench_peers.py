@@ -218,6 +218,35 @@ def test_the_fixed_workload_gives_every_request_one_shape() -> None:
     assert build_workload("fixed", 8, 0, 1000, 4096, 192) == work
 
 
+def _check_roofline(s: dict, model: str, work: list, names: list[str]) -> None:
+    """--roofline: each engine's rounds' probe rates, the schedule's least time at each, and its share of it."""
+    from benchmarks.roofline import bound_seconds, model_shape
+
+    lengths = [(len(ids), o) for ids, o in work]
+    roof = s["roofline"]
+    for e in names:
+        rounds, secs = roof["rounds"][e], s["engines"][e]["seconds"]
+        assert len(rounds) == len(secs) == 2 and all(1 < b["read_gb_s"] < 1000 for b in rounds), roof
+        for b in rounds:
+            assert b["bound_s"] == pytest.approx(bound_seconds(lengths, model_shape(model), b)["total_s"])
+        shares = [b["bound_s"] / t for b, t in zip(rounds, secs)]
+        assert roof["share_of_bound"][e] == pytest.approx(shares)
+        assert roof["lead_at_the_bound"][e] == pytest.approx(sum(1 / x for x in shares) / 2)  # median of 2
+
+
+def test_whole_rounds_with_the_read_probe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--roofline without --slice: the probe runs alone around each engine's run, and each run
+    gets the least time at the rate read then."""
+    model = make_tiny_model(tmp_path, "llama", seed=0)
+    assert peers.main(["--model", model, "--engines", "pagedserve", "--requests", "2", "--max-output", "8",
+                       "--repeats", "2", "--workload", "fixed", "--roofline", "smol", "--out", str(tmp_path / "out"),
+                       "--serve-arg=--kv-cache-memory=16MiB"]) == 0
+    out = capsys.readouterr()
+    _check_roofline(_result(out.out)["workloads"]["fixed"], model, peers.build_workload("fixed", 2, 0, 1000, 4096, 8),
+                    ["pagedserve"])
+    assert out.err.count("fixed pagedserve: probe read ") == 2, out.err
+
+
 def test_sliced_rounds_time_each_engine_by_its_own_slices(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--slice: both engines run each round at once, one at a time on the machine; each
     engine's time is its slices' sum, under its wall clock (the other's slices fall in it)."""
@@ -243,14 +272,9 @@ def test_sliced_rounds_time_each_engine_by_its_own_slices(tmp_path: Path, capsys
     # --roofline: each round's probe rate and the schedule's least time at it; each engine's share of it.
     from benchmarks.roofline import bound_seconds, model_shape
     work = [(len(ids), o) for ids, o in peers.build_workload("fixed", 4, 0, 1000, 4096, 150)]
-    roof = s["roofline"]
-    assert len(roof["rounds"]) == 2 and all(1 < b["read_gb_s"] < 1000 for b in roof["rounds"]), roof
-    for b in roof["rounds"]:
-        assert b["bound_s"] == pytest.approx(bound_seconds(work, model_shape(model), b)["total_s"])
-    for e in ("pagedserve", "pagedserve-sync"):
-        shares = [b["bound_s"] / t for b, t in zip(roof["rounds"], s["engines"][e]["seconds"])]
-        assert roof["share_of_bound"][e] == pytest.approx(shares)
-        assert roof["lead_at_the_bound"][e] == pytest.approx(sum(1 / x for x in shares) / 2)  # median of 2
+    _check_roofline(s, model, peers.build_workload("fixed", 4, 0, 1000, 4096, 150), ["pagedserve", "pagedserve-sync"])
+    for e in ("pagedserve", "pagedserve-sync"):  # sliced: one rate for the round, the engines' alike
+        assert s["roofline"]["rounds"][e] == s["roofline"]["rounds"]["pagedserve"]
     assert "of the least time (median); an engine at it:" in out.out
 
 
