@@ -44,14 +44,18 @@ class ReadProbe:
         self.peak_gflop_s: float = json.loads(first)["peak_gflop_s"]
         self.samples: list[tuple[float, int, float]] = []  # (seconds, bytes, Unix end time)
         self.pids = [self.proc.pid]
+        self._first_sample = threading.Event()  # its panels packed: only then is it stopped
         threading.Thread(target=self._read, daemon=True).start()
-        time.sleep(0.5)  # its panels packed, before it is stopped
+        if not self._first_sample.wait(300):
+            self.close()
+            raise RuntimeError("the read-rate probe took no sample in 300 s")
         signal_all(self.pids, signal.SIGSTOP)
 
     def _read(self) -> None:
         for line in self.proc.stdout or []:
             d = json.loads(line)
             self.samples.append((d["s"], d["bytes"], d["end"]))
+            self._first_sample.set()
 
     def sample(self, seconds: float) -> None:
         """Run alone for ``seconds`` (the caller has paused the engines)."""
@@ -64,7 +68,7 @@ class ReadProbe:
         time.sleep(0.2)  # the last sample through the pipe
         got = self.samples[i:]
         if not got:
-            return 0.0
+            raise RuntimeError("the read-rate probe took no sample in its time")
         cut = 3 * statistics.median(s for s, _, _ in got)
         kept = [(s, b) for s, b, _ in got if s <= cut]
         return sum(b for _, b in kept) / sum(s for s, _ in kept) / 1e9

@@ -39,3 +39,5 @@ def test_the_probe_rate_leaves_out_samples_a_stop_cut_through() -> None:
     assert probe.rate_since(1) == pytest.approx(2 / 0.06)  # the 2.06 s sample left out, the first before i
     probe.samples.append((0.04, 2_000_000_000, 0.0))
     assert probe.rate_since(1) == pytest.approx(10 / 0.28)
+    with pytest.raises(RuntimeError, match="no sample"):  # a bound at 0 GB/s would divide by zero
+        probe.rate_since(len(probe.samples))
