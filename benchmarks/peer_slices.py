@@ -46,9 +46,9 @@ class ReadProbe:
         self.pids = [self.proc.pid]
         self._first_sample = threading.Event()  # its panels packed: only then is it stopped
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._first_sample.wait(300):
+        if not self._first_sample.wait(300) or not self.samples:  # set at the end of its output too
             self.close()
-            raise RuntimeError("the read-rate probe took no sample in 300 s")
+            raise RuntimeError("the read-rate probe took no sample (see its stderr)")
         signal_all(self.pids, signal.SIGSTOP)
 
     def _read(self) -> None:
@@ -56,6 +56,7 @@ class ReadProbe:
             d = json.loads(line)
             self.samples.append((d["s"], d["bytes"], d["end"]))
             self._first_sample.set()
+        self._first_sample.set()  # it ended: no waiting for a sample that will not come
 
     def sample(self, seconds: float) -> None:
         """Run alone for ``seconds`` (the caller has paused the engines)."""

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 
-
 def model_shape(model_dir: str) -> dict[str, int]:
     """Linear parameters per token (layers and LM head) and KV bytes per token (bf16)."""
     c = json.loads((Path(model_dir) / "config.json").read_text())
@@ -74,15 +73,16 @@ def rates(repeats: int = 5) -> dict[str, float]:
 
 
 def probe(out: TextIO, shape: str = "1b") -> None:
-    """``--probe``, for ``bench peers --slice S --roofline``: torch's bf16 peak as a first JSON
-    line, then one line per panel step (its seconds, bytes and Unix end time) until killed. The bench stops and
-    continues this process in turn with the engines, so its samples meet the same read-rate phases."""
+    """``--probe``, for ``bench peers --roofline``: torch's bf16 peak as a first JSON line, then one
+    line per panel step (its seconds, bytes and Unix end time) until killed. The bench continues
+    this process only while the engines are stopped: around each run, or in a slice of its own."""
     from pagedserve.kernels.quant_bench import bf16_peak
 
     out.write(json.dumps({"peak_gflop_s": bf16_peak(5)}) + "\n")
     out.flush()
     step = panel_step(shape)
     if step is None:
+        print("roofline --probe: the panels did not build (no C++ compiler?)", file=sys.stderr)
         return
     try:
         while True:

@@ -41,3 +41,18 @@ def test_the_probe_rate_leaves_out_samples_a_stop_cut_through() -> None:
     assert probe.rate_since(1) == pytest.approx(10 / 0.28)
     with pytest.raises(RuntimeError, match="no sample"):  # a bound at 0 GB/s would divide by zero
         probe.rate_since(len(probe.samples))
+
+
+def test_a_probe_that_cannot_sample_is_an_error_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No panels (no compiler): the probe says why and ends; the bench stops there, not 300 s later."""
+    import time
+
+    from benchmarks.peer_slices import ReadProbe
+
+    monkeypatch.setenv("CXX", "/nonexistent/g++")  # the child's kernel build finds no compiler
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="took no sample"):
+        ReadProbe("smol")
+    assert time.perf_counter() - t0 < 120
+    with pytest.raises(RuntimeError, match="did not start"):
+        ReadProbe("nope")  # the probe's own usage error: no first line
