@@ -10,10 +10,14 @@ while any request still runs) costs at least the larger of
   bf16 matmul peak (2048^3).
 The read rate is the best of ``torch.sum`` over 1 GiB and a 1B-shape decode step of the bf16 panels
 at one row (the rate a kernel streaming weights reaches). Both are the most a 2-core run reached,
-so the bound is optimistic: no engine meets it. On a shared VM the read rate moves between runs
-(45-75 GB/s here on 2026-12-06), so measure it right beside the engines' run.
+so the bound is optimistic: no engine meets it. On a shared VM the read rate moves within minutes
+(27-44 GB/s on a Zen 4 VM on 2026-12-07), so ``bench peers --roofline`` reads it with ``--probe``
+(the panel step over and over; the mean of its samples, not the best) alone around each run, or in
+a slice of its own among the engines'; that bound is less strict: a run can meet a faster phase
+than the probe did (ours came out at up to 110 % of it).
 
     python -m benchmarks roofline --model DIR --requests 32 [--max-output N] [--times peers.json]
+    python -m benchmarks roofline --probe [1b|smol]   # for bench peers --roofline
 """
 from __future__ import annotations
 
