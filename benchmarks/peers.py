@@ -262,13 +262,15 @@ def main(argv: list[str]) -> int:
             print(f"bench peers: round {r + 1}/{args.repeats} {w} {e}: {seconds:.2f} s{how}", file=sys.stderr,
                   flush=True)
 
-        def bound(w: str, e: str, first: int) -> None:
-            """--roofline: the least time of ``w`` at the probe's rate over its samples from ``first``."""
+        def bound(w: str, who: list[str], first: int) -> None:
+            """--roofline: the least time of ``w`` at the probe's rate over its samples from ``first``,
+            for the runs of ``who`` (a sliced round's engines share one)."""
             rate = {"read_gb_s": probe.rate_since(first), "peak_gflop_s": probe.peak_gflop_s}
             least = bound_seconds([(len(ids), o) for ids, o in work[w]], model_shape(model_dir), rate)["total_s"]
-            bounds[w][e].append({**rate, "bound_s": least})
-            print(f"bench peers: {w} {e}: probe read {rate['read_gb_s']:.1f} GB/s, least time {least:.2f} s",
-                  file=sys.stderr, flush=True)
+            for e in who:
+                bounds[w][e].append({**rate, "bound_s": least})
+            print(f"bench peers: {w} {', '.join(who)}: probe read {rate['read_gb_s']:.1f} GB/s, least time "
+                  f"{least:.2f} s", file=sys.stderr, flush=True)
 
         for r in range(args.repeats):
             for w in wls:
@@ -281,8 +283,8 @@ def main(argv: list[str]) -> int:
                     first = len(probe.samples) if probe else 0
                     for e, (run, secs) in sliced_round(engines, order, w, args.slice, probe).items():
                         record(w, e, r, run, secs, f" in its slices ({run.seconds:.2f} s of wall clock)")
-                        if probe is not None:
-                            bound(w, e, first)
+                    if probe is not None:
+                        bound(w, order, first)
                     continue
                 for e in order:
                     if args.fresh and r > 0:
@@ -299,7 +301,7 @@ def main(argv: list[str]) -> int:
                     if probe is not None:
                         set_paused(engines[e], True)
                         probe.sample(PROBE_S)
-                        bound(w, e, first)
+                        bound(w, [e], first)
     finally:
         for eng in engines.values():
             set_paused(eng, False)  # a stopped process would not see its close

@@ -270,11 +270,10 @@ def test_sliced_rounds_time_each_engine_by_its_own_slices(tmp_path: Path, capsys
     for e in ("pagedserve", "pagedserve-sync"):  # the JSON's times are the slices' sums
         assert s["engines"][e]["seconds"] == pytest.approx([float(a) for e2, a, _ in rounds if e2 == e], abs=0.006)
     # --roofline: each round's probe rate and the schedule's least time at it; each engine's share of it.
-    from benchmarks.roofline import bound_seconds, model_shape
-    work = [(len(ids), o) for ids, o in peers.build_workload("fixed", 4, 0, 1000, 4096, 150)]
     _check_roofline(s, model, peers.build_workload("fixed", 4, 0, 1000, 4096, 150), ["pagedserve", "pagedserve-sync"])
     for e in ("pagedserve", "pagedserve-sync"):  # sliced: one rate for the round, the engines' alike
         assert s["roofline"]["rounds"][e] == s["roofline"]["rounds"]["pagedserve"]
+    assert len(re.findall(r"fixed \S+, \S+: probe read", out.err)) == 2, out.err  # read once a round
     assert "of the least time (median); an engine at it:" in out.out
 
 
