@@ -56,9 +56,9 @@ def _linear(linear: Any, dtype: torch.dtype) -> Linear | None:
         return Linear(data=(*parts.c_packed,), bias=addr(linear.bias), rows=(*parts.rows,), qtypes=(*parts.codes,),
                       parts=n)
     p: PackedWeight | None = linear.packed
-    if p is None or p.layout is not Layout.PANELS or not _usable(p.data, dtype):
+    if p is None or p.layout not in (Layout.PANELS, Layout.CODED) or not _usable(p.data, dtype):
         return None
-    return Linear(data=(addr(p.data),), bias=addr(linear.bias), parts=0)
+    return Linear(data=(addr(p.data), addr(p.coded)), bias=addr(linear.bias), parts=0)
 
 
 def _gemma(model: Any) -> bool:

@@ -37,6 +37,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Layout(enum.Enum):
+    CODED = "coded"  # the panels, and for bf16 the same weights in 12 bits (cpu_coded.cpp) for 1-4 row steps
     PANELS = "panels"  # cpu_linear.cpp
     ONEDNN = "onednn"  # torch.ops.mkldnn
 
@@ -46,6 +47,7 @@ class PackedWeight:
     layout: Layout
     data: torch.Tensor
     out_features: int
+    coded: torch.Tensor | None = None  # Layout.CODED: cpu_ops.pack_coded(data)
 
 
 def _onednn_available() -> bool:
@@ -53,8 +55,8 @@ def _onednn_available() -> bool:
 
 
 def chosen_layout() -> Layout:
-    """The layout ``PAGEDSERVE_CPU_LINEAR`` asks for (panels by default)."""
-    return Layout(str(env(KERNEL_ENV, Layout.PANELS.value)).strip().lower())
+    """The layout ``PAGEDSERVE_CPU_LINEAR`` asks for (coded panels by default)."""
+    return Layout(str(env(KERNEL_ENV, Layout.CODED.value)).strip().lower())
 
 
 def pack(weight: torch.Tensor, batch_hint: int, layout: Layout | None = None) -> PackedWeight | None:
@@ -63,10 +65,11 @@ def pack(weight: torch.Tensor, batch_hint: int, layout: Layout | None = None) ->
     if weight.device.type != "cpu" or weight.dtype not in _DTYPES or weight.dim() != 2 or not env_flag(ENV, True):
         return None
     layout = chosen_layout() if layout is None else layout
-    if layout is Layout.PANELS:
+    if layout in (Layout.PANELS, Layout.CODED):
         panels = cpu_ops.pack_linear(weight.detach().contiguous())
         if panels is not None:
-            return PackedWeight(Layout.PANELS, panels, weight.shape[0])
+            coded = cpu_ops.pack_coded(panels, weight.shape[0]) if layout is Layout.CODED else None
+            return PackedWeight(Layout.PANELS if coded is None else Layout.CODED, panels, weight.shape[0], coded)
     if not _onednn_available():
         return None
     return PackedWeight(Layout.ONEDNN, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint),
@@ -76,8 +79,8 @@ def pack(weight: torch.Tensor, batch_hint: int, layout: Layout | None = None) ->
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
     if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
-    if packed.layout is Layout.PANELS:
-        out = cpu_ops.packed_linear(x, packed.data, packed.out_features, bias)
+    if packed.layout in (Layout.PANELS, Layout.CODED):
+        out = cpu_ops.packed_linear(x, packed.data, packed.out_features, bias, packed.coded)
         if out is not None:
             return out
         return F.linear(x, weight, bias)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_attention.cpp", HERE / "cpu_ops.cpp", HERE / "cpu_linear.cpp", HERE / "cpu_model.cpp",
-           HERE / "quant_cpu.cpp", HERE / "quant_pack.cpp", HERE / "quant_bf16.cpp")
+           HERE / "quant_cpu.cpp", HERE / "quant_pack.cpp", HERE / "quant_bf16.cpp", HERE / "cpu_coded.cpp")
 HEADERS = (HERE / "cpu_common.h", HERE / "cpu_scores.h", HERE / "cpu_cascade.h", HERE / "cpu_bf16.h", HERE / "cpu_rows.h",
            HERE / "quant_blocks.h", HERE / "cpu_panels.h")
 # Compiled with fast math (vectorised expf, reassociated sums) but linked
@@ -53,6 +53,9 @@ SIGNATURES = {
     "pagedserve_linear_group": [],
     "pagedserve_linear_pack": [_i32, _ptr, _ptr, _i64, _i64],
     "pagedserve_linear": [_i32, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64],
+    "pagedserve_coded_rows": [],
+    "pagedserve_coded_pack": [_ptr, _i64, _i64, _ptr, _i64, _ptr],
+    "pagedserve_coded_linear": [*[_ptr] * 5, _i64, _i64, _i64],
     "pagedserve_llama_stack": [_ptr],
     "pagedserve_quant_repack": [_i32, _ptr, _ptr, _i64, _i64, _i64],
     "pagedserve_quant_unpack": [_i32, _ptr, _ptr, _i64, _i64, _i64],

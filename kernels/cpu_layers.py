@@ -19,7 +19,8 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 
 
 class Linear(ctypes.Structure):
-    """One linear: ``parts`` 0, the panels of ``cpu_ops.pack_linear`` in ``data[0]``; 1 to 3, GGUF
+    """One linear: ``parts`` 0, the panels of ``cpu_ops.pack_linear`` in ``data[0]`` and bf16's coded
+    copy (``cpu_ops.pack_coded``) or None in ``data[1]``; 1 to 3, GGUF
     weights side by side (``quant_cpu.repack``'s form), part p of ggml type ``qtypes[p]`` with
     ``rows[p]`` output rows. ``bias``: None, no bias."""
 

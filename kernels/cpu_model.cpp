@@ -32,6 +32,8 @@ int pagedserve_paged_attention_ex(int dtype, int kv_dtype, const void* q, const 
                                   void* out, int num_seqs, int num_heads, int num_kv_heads, int head_dim, int block_size,
                                   int table_stride, int64_t q_stride, float scale, const float* k_scale,
                                   const float* v_scale, int window, float softcap);
+int pagedserve_coded_linear(const void* x, const void* coded, const void* panels, const void* bias, void* y, int64_t M,
+                            int64_t N, int64_t K);
 int pagedserve_quant_linear_parts(int dtype, const void* x, const void* bias, void* y, int64_t M, int64_t K,
                                   int parts, const int32_t* qtypes, const uint8_t* const* packed,
                                   const int64_t* rows);
@@ -39,7 +41,8 @@ int pagedserve_quant_linear_parts(int dtype, const void* x, const void* bias, vo
 
 namespace {
 
-// One linear layer: the panels of cpu_linear.cpp (parts == 0: data[0]), or up to 3 GGUF
+// One linear layer: the panels of cpu_linear.cpp (parts == 0: data[0]; bf16's coded copy, cpu_coded.cpp,
+// in data[1] or null), or up to 3 GGUF
 // weights side by side, repacked by quant_pack.cpp (part p: ggml type qtypes[p], rows[p] output
 // rows; q/k/v of different types, as Q4_K_M mixes them). Field order is cpu_layers.py's Linear.
 struct Linear {
@@ -79,6 +82,8 @@ struct GroupPtrs {
 
 // y [M][N] = x [M][K] . W^T (+ bias) by the kernel the layer-by-layer path calls for w.
 int run_linear(int dtype, const Linear& w, const void* x, void* y, int64_t M, int64_t N, int64_t K) {
+  if (w.parts == 0 && dtype == 1 && w.data[1] != nullptr)
+    return pagedserve_coded_linear(x, w.data[1], w.data[0], w.bias, y, M, N, K);
   if (w.parts == 0) return pagedserve_linear(dtype, x, w.data[0], w.bias, y, M, N, K);
   int64_t rows = 0;
   for (int p = 0; p < w.parts && p < 3; ++p) rows += w.rows[p];

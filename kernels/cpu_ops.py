@@ -8,6 +8,8 @@ and never a requirement. tests/test_cpu_ops.py holds each to those torch ops.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from pagedserve.kernels import cpu_build, cpu_memory
@@ -140,10 +142,33 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def coded_rows() -> int:
+    """Rows up to which ``packed_linear`` runs a coded weight's units (0: this CPU has no coded kernel)."""
+    lib = cpu_build.load()
+    return 0 if lib is None else int(lib.pagedserve_coded_rows())
+
+
+def pack_coded(panels: torch.Tensor, out_features: int) -> torch.Tensor | None:
+    """bf16 ``panels`` (``pack_linear``'s) with coded exponents (``cpu_coded.cpp``): the same weights
+    in 12 bits each, for ``packed_linear``'s steps of up to ``coded_rows()`` rows. None where the
+    kernel does not run here or the shape does not take it (K % 4, fewer than one whole group)."""
+    if panels.dtype != torch.bfloat16 or _code(panels) is None or panels.dim() != 2 or coded_rows() == 0:
+        return None
+    lib, size = cpu_build.load(), ctypes.c_int64(0)
+    n, k = out_features, panels.shape[1]
+    if lib.pagedserve_coded_pack(panels.data_ptr(), n, k, None, 0, ctypes.byref(size)) != 0:
+        return None
+    coded = cpu_memory.empty((size.value,), torch.uint8)
+    if lib.pagedserve_coded_pack(panels.data_ptr(), n, k, coded.data_ptr(), size.value, ctypes.byref(size)) != 0:
+        raise ValueError("pack_coded: the coded size changed between its two passes")
+    return coded
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                  bias: torch.Tensor | None) -> torch.Tensor | None:
+                  bias: torch.Tensor | None, coded: torch.Tensor | None = None) -> torch.Tensor | None:
     """x @ weight.T + bias for x [..., K], ``packed`` = ``pack_linear(weight)``
-    and weight's ``out_features`` rows."""
+    and weight's ``out_features`` rows; ``coded``: ``pack_coded(packed, out_features)`` or None.
+    The result is the same bit for bit with or without ``coded``."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     code = _code(x2, packed) if bias is None else _code(x2, packed, bias)
     if (code is None or packed.dim() != 2 or x2.shape[1] != packed.shape[1] or x2.shape[0] == 0
@@ -151,9 +176,11 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
             or (bias is not None and bias.shape != (out_features,))):
         return None
     out = torch.empty((x2.shape[0], out_features), dtype=x.dtype)
-    rc = cpu_build.load().pagedserve_linear(code, x2.data_ptr(), packed.data_ptr(),
-                                            None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                            x2.shape[0], out_features, packed.shape[1])
+    args = (None if bias is None else bias.data_ptr(), out.data_ptr(), x2.shape[0], out_features, packed.shape[1])
+    if coded is not None and x.dtype == torch.bfloat16:
+        rc = cpu_build.load().pagedserve_coded_linear(x2.data_ptr(), coded.data_ptr(), packed.data_ptr(), *args)
+    else:
+        rc = cpu_build.load().pagedserve_linear(code, x2.data_ptr(), packed.data_ptr(), *args)
     if rc != 0:
         raise ValueError(f"packed_linear: bad shapes (code {rc})")
     return out.view(*x.shape[:-1], out_features)
