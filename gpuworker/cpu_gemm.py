@@ -12,7 +12,10 @@ them than with oneDNN's packed GEMM in fp32 and 1.09-1.41x in bf16 (1 to 64
 sequences), and prefills of 512 and 2,048 tokens level (0.98-1.00x;
 docs/gpuworker.md, "Linear layers"). Where the library is not built, or with
 ``PAGEDSERVE_CPU_LINEAR=onednn``, oneDNN packs instead. One packed copy sits
-beside the original (the embedding and the tests read that one).
+beside the original (the embedding and the tests read that one). A bf16 weight
+also gets its panels with coded exponents (``kernels/cpu_coded.cpp``: the same
+weights in 12 bits, read by steps of 1-4 rows, which only read weights; a
+1B's one-row steps 1.3x faster), unless ``PAGEDSERVE_CPU_LINEAR=panels``.
 ``PAGEDSERVE_CPU_PACKED_GEMM=0`` packs nothing: plain ``F.linear``.
 
 A layer that holds GGUF blocks (``qweights``) is prepared for the quantized
@@ -50,6 +53,17 @@ class PackedWeight:
     coded: torch.Tensor | None = None  # Layout.CODED: cpu_ops.pack_coded(data)
 
 
+def coded_budget() -> int | None:
+    """Bytes a coded copy may take now: what the machine has available beyond a quarter of its
+    memory (the most the default KV pool takes, allocated after the weights), or None: unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024 - int(fields["MemTotal"].split()[0]) * 1024 // 4
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def _onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -68,7 +82,7 @@ def pack(weight: torch.Tensor, batch_hint: int, layout: Layout | None = None) ->
     if layout in (Layout.PANELS, Layout.CODED):
         panels = cpu_ops.pack_linear(weight.detach().contiguous())
         if panels is not None:
-            coded = cpu_ops.pack_coded(panels, weight.shape[0]) if layout is Layout.CODED else None
+            coded = cpu_ops.pack_coded(panels, weight.shape[0], coded_budget()) if layout is Layout.CODED else None
             return PackedWeight(Layout.PANELS if coded is None else Layout.CODED, panels, weight.shape[0], coded)
     if not _onednn_available():
         return None

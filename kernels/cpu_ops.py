@@ -148,15 +148,17 @@ def coded_rows() -> int:
     return 0 if lib is None else int(lib.pagedserve_coded_rows())
 
 
-def pack_coded(panels: torch.Tensor, out_features: int) -> torch.Tensor | None:
+def pack_coded(panels: torch.Tensor, out_features: int, budget: int | None = None) -> torch.Tensor | None:
     """bf16 ``panels`` (``pack_linear``'s) with coded exponents (``cpu_coded.cpp``): the same weights
     in 12 bits each, for ``packed_linear``'s steps of up to ``coded_rows()`` rows. None where the
-    kernel does not run here or the shape does not take it (K % 4, fewer than one whole group)."""
+    kernel does not run here, the shape does not take it (K % 4, fewer than one whole group) or
+    it would take more than ``budget`` bytes."""
     if panels.dtype != torch.bfloat16 or _code(panels) is None or panels.dim() != 2 or coded_rows() == 0:
         return None
     lib, size = cpu_build.load(), ctypes.c_int64(0)
     n, k = out_features, panels.shape[1]
-    if lib.pagedserve_coded_pack(panels.data_ptr(), n, k, None, 0, ctypes.byref(size)) != 0:
+    if (lib.pagedserve_coded_pack(panels.data_ptr(), n, k, None, 0, ctypes.byref(size)) != 0
+            or (budget is not None and size.value > budget)):
         return None
     coded = cpu_memory.empty((size.value,), torch.uint8)
     if lib.pagedserve_coded_pack(panels.data_ptr(), n, k, coded.data_ptr(), size.value, ctypes.byref(size)) != 0:

@@ -136,15 +136,17 @@ def step(shape: str, qtypes: list[str], rows: list[int], repeats: int, peak: flo
     weights of a real model size, so they stream from memory as in serving. Milliseconds per
     step, against the panels' bf16 (the CPU path's own) on the same dequantized weights, and
     each one's GFLOP/s as a share of ``peak`` (torch's bf16 matmul, measured in the same run).
-    "quant" is a decode step's int8 products; ``prompt`` adds "quant prompt", a prompt step's
-    blocks decoded to bf16 panels (``quant_bf16.cpp``)."""
+    "quant" is a decode step's int8 products; "coded bf16" the panels with coded exponents
+    (``cpu_coded.cpp``; the plain panels past ``coded_rows()`` rows); ``prompt`` adds "quant
+    prompt", a prompt step's blocks decoded to bf16 panels (``quant_bf16.cpp``)."""
     layers = [(label, n, k) for label, n, k in SHAPES[shape] if label != "lm_head"] * LAYERS[shape]
     layers.append(next(s for s in SHAPES[shape] if s[0] == "lm_head"))
     lines = []
     for qtype in qtypes:
         ws = [prepare(random_weight(qtype, n, k, seed=i), keep_blocks=False) for i, (_, n, k) in enumerate(layers)]
         pbs = [cpu_ops.pack_linear(dequantize(w).to(torch.bfloat16)) for w in ws]
-        qbytes = sum(w.nbytes for w in ws)
+        cds = [cpu_ops.pack_coded(pb, n) for (_, n, _), pb in zip(layers, pbs)]  # None: no coded kernel here
+        qbytes, cbytes = sum(w.nbytes for w in ws), sum(c.numel() for c in cds if c is not None)
         for m in rows:
             xs = {k: torch.randn(m, k).to(torch.bfloat16) for _, _, k in layers}
             quant: Callable[[int], object] = lambda i: [quant_linear(xs[w.shape[1]], w) for w in ws]
@@ -152,15 +154,18 @@ def step(shape: str, qtypes: list[str], rows: list[int], repeats: int, peak: flo
                 "quant": _at(quant_cpu.NEVER, quant),
                 "panels bf16": lambda i: [cpu_ops.packed_linear(xs[k], pb, n, None)
                                           for (_, n, k), pb in zip(layers, pbs)],
+                "coded bf16": lambda i: [cpu_ops.packed_linear(xs[k], pb, n, None, cd)
+                                         for (_, n, k), pb, cd in zip(layers, pbs, cds)],
             }
             if prompt:
                 fns["quant prompt"] = _at(1, quant)
             us = _times_us(fns, repeats)
             flop = 2.0 * m * sum(n * k for _, n, k in layers)
+            read = {"quant": qbytes, "coded": cbytes if m <= cpu_ops.coded_rows() else flop / m}  # bytes a step reads
             parts = [f"{name} {best / 1e3:7.2f} ms (median {med / 1e3:7.2f}) {flop / best / 1e3:6.1f} GF/s "
                      f"= {flop / best / 1e3 / peak:4.0%} of peak "
                      f"({'meets' if flop / best / 1e3 >= PEAK_BAR * peak else 'under'} issue 40's {PEAK_BAR:.0%}), "
-                     f"{(qbytes if name.startswith('quant') else flop / m) / best / 1e3:5.1f} GB/s"
+                     f"{read.get(name.split()[0], flop / m) / best / 1e3:5.1f} GB/s"
                      for name, (best, med) in us.items()]
             lines.append(f"{qtype} {shape} step ({len(layers)} linears) M={m:<3d} | " + " | ".join(parts))
     return lines

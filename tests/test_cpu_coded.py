@@ -3,6 +3,8 @@ whose linear equals the plain panels' bit for bit, and which the compiled decode
 for steps of up to ``coded_rows()`` rows."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_cpu_fused import _run, make_runner
@@ -17,6 +19,10 @@ pytestmark = pytest.mark.skipif(cpu_build.load() is None or cpu_ops.coded_rows()
 
 def _escapes(coded: torch.Tensor) -> int:
     return int(coded[:64].view(torch.int64)[2])  # the header's third field
+
+
+def _ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -56,11 +62,20 @@ def test_coded_form_is_three_quarters_of_the_panels_and_says_where_it_cannot_run
     assert cpu_ops.pack_coded(cpu_ops.pack_linear(small), 16) is None
 
 
-def test_the_layouts_pack_coded_for_bf16_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_layouts_pack_coded_for_bf16_only_and_within_the_memory_left(monkeypatch: pytest.MonkeyPatch) -> None:
     w = torch.randn(96, 64).to(torch.bfloat16)
     packed = cpu_gemm.pack(w, 8)
     assert packed is not None and packed.layout is cpu_gemm.Layout.CODED and packed.coded is not None
     assert cpu_gemm.pack(w.float(), 8).layout is cpu_gemm.Layout.PANELS
+    budget = cpu_gemm.coded_budget()
+    assert budget is not None and budget < _ram_bytes()
+    size = packed.coded.numel()
+    assert cpu_ops.pack_coded(packed.data, 96, size) is not None
+    assert cpu_ops.pack_coded(packed.data, 96, size - 1) is None
+    monkeypatch.setattr(cpu_gemm, "coded_budget", lambda: size - 1)  # no room left: the panels alone
+    tight = cpu_gemm.pack(w, 8)
+    assert tight is not None and tight.layout is cpu_gemm.Layout.PANELS and tight.coded is None
+    monkeypatch.undo()
     monkeypatch.setenv("PAGEDSERVE_CPU_LINEAR", "panels")
     plain = cpu_gemm.pack(w, 8)
     assert plain is not None and plain.layout is cpu_gemm.Layout.PANELS and plain.coded is None
