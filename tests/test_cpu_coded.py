@@ -81,9 +81,9 @@ def test_the_layouts_pack_coded_for_bf16_only_and_within_the_memory_left(monkeyp
     assert plain is not None and plain.layout is cpu_gemm.Layout.PANELS and plain.coded is None
 
 
-def test_the_stack_reads_the_coded_copy_up_to_its_rows(folder: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_the_stack_reads_its_layers_coded_copies(folder: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """The compiled stack with coded weights equals the plain panels' bit for bit, and it reads the
-    coded copy: with every coded copy zeroed past its header, the 3-row decodes change."""
+    coded copy: with its layers' coded copies zeroed past their headers, the 3-row decodes change."""
     coded = make_runner(folder, dtype="bfloat16")
     toks_c, logits_c = _run(coded)
     assert coded.model.fused is not None
@@ -97,11 +97,12 @@ def test_the_stack_reads_the_coded_copy_up_to_its_rows(folder: str, monkeypatch:
         assert torch.equal(logits_c[key], logits_p[key]), key
     monkeypatch.delenv("PAGEDSERVE_CPU_LINEAR")
     broken = make_runner(folder, dtype="bfloat16")
-    for m in broken.model.modules():
-        p = getattr(m, "packed", None)
-        if p is not None and p.coded is not None:
-            groups = int(p.coded[:64].view(torch.int64)[0])
-            p.coded[64 + 8 * (groups + 1):].zero_()
+    stack = [m for m in broken.model.layers.modules() if getattr(m, "packed", None) is not None]  # not the LM head
+    assert any(m.packed.coded is not None for m in stack)
+    for m in stack:
+        if m.packed.coded is not None:
+            groups = int(m.packed.coded[:64].view(torch.int64)[0])
+            m.packed.coded[64 + 8 * (groups + 1):].zero_()
     _, logits_b = _run(broken)
     assert not torch.equal(logits_b[0], logits_p[0])  # the first 3-row decode step
 
