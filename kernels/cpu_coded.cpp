@@ -1,16 +1,17 @@
 // bf16 panels with coded exponents: the same weights as cpu_linear.cpp's panels,
 // bit for bit, in 12 bits each instead of 16. A bf16's high byte (sign and the
 // exponent's top 7 bits) takes few values in a weight tensor (the 15 most common
-// cover all but about 1e-5 of a seeded random 1B's weights), so it is stored as a
+// cover all but about 2e-4 of a seeded random 1B's weights), so it is stored as a
 // 4-bit code into the tensor's table of them; the low byte (the exponent's last bit
-// and the mantissa) is stored as it is. Code 15 escapes: the weight's high byte
-// follows in a side stream, read in order. Decoding is a nibble split, one
-// vpshufb and two byte interleaves per 64 weights, so a decode step that reads
-// every weight once (one to a few rows) reads 0.75 of the bytes: the 2-core
-// EPYC's memory, not its vector units, bounds those steps (docs/gpuworker.md,
+// and the mantissa) is stored as it is. Code 15 escapes: its table entry is a high
+// byte no coded weight has, and the weight's own follows in a side stream, read in
+// order. Decoding is one vpermb and two byte interleaves per 64 weights, so a decode
+// step that reads every weight once (one to a few rows) reads 0.75 of the bytes: the
+// 2-core EPYC's memory, not its vector units, bounds those steps (docs/gpuworker.md,
 // "Coded panels"). The sums are the plain panels' own, in the same order, so the
-// output equals pagedserve_linear's bit for bit; past CODED_ROWS rows a step is
-// compute-bound and runs the plain panels (the caller keeps both).
+// output equals pagedserve_linear's bit for bit; past CODED_ROWS rows the decode's
+// vector work costs more than the bytes save, and the plain panels run (the caller
+// keeps both).
 //
 // Layout of a coded tensor (AVX-512 groups of P = 3 panels, K % 4 == 0): a 64-byte
 // header (int64 groups, K, escapes; the 16-byte table at 32), int64 escape offsets
@@ -82,10 +83,11 @@ __attribute__((always_inline)) inline void pair_step(const uint16_t* x, int64_t 
   }
 }
 
-// M rows of x against one coded group: the plain tile's sums, in its order.
+// M rows of x against one coded group: the plain tile's sums, in its order; y's rows N apart, and
+// the group's last panel cut at N (its padding features are not stored).
 template <int M>
 void coded_tile(const uint16_t* x, int64_t K, const uint8_t* units, Decoder d, const uint16_t* bias, uint16_t* y,
-                int64_t n0, int64_t ldy) {
+                int64_t n0, int64_t N) {
   __m512 acc[MT][P];
   for (int m = 0; m < M; ++m)
     for (int p = 0; p < P; ++p) acc[m][p] = _mm512_setzero_ps();
@@ -103,8 +105,8 @@ void coded_tile(const uint16_t* x, int64_t K, const uint8_t* units, Decoder d, c
     alignas(64) float v[LANES];
     for (int m = 0; m < M; ++m) {
       _mm512_store_ps(v, acc[m][p]);
-      const int64_t c0 = n0 + p * LANES;
-      for (int j = 0; j < LANES; ++j) store(y + m * ldy + c0 + j, v[j] + (bias ? load(bias + c0 + j) : 0.0f));
+      const int64_t c0 = n0 + p * LANES, cols = std::min<int64_t>(LANES, N - c0);
+      for (int j = 0; j < cols; ++j) store(y + m * N + c0 + j, v[j] + (bias ? load(bias + c0 + j) : 0.0f));
     }
   }
 }

@@ -29,7 +29,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-@pytest.mark.parametrize("n,k", [(48, 8), (50, 64), (145, 132), (300, 1024)])
+# 142 and 40: the last group's last panel is cut (padding features past N); 145, 50: a panel after the groups
+@pytest.mark.parametrize("n,k", [(48, 8), (40, 16), (50, 64), (142, 48), (145, 132), (300, 1024)])
 def test_coded_linear_equals_the_panels_bit_for_bit(n: int, k: int) -> None:
     g = torch.Generator().manual_seed(n * k)
     # exponents spread over ~30 binades: far more than the 15 coded high bytes, so many weights escape
@@ -41,6 +42,10 @@ def test_coded_linear_equals_the_panels_bit_for_bit(n: int, k: int) -> None:
     for m in range(1, cpu_ops.coded_rows() + 3):  # coded rows, then the panels past them
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         y = cpu_ops.packed_linear(x, panels, n, bias, coded)
+        out = torch.full((m + 1, n), 7.0, dtype=torch.bfloat16)  # with a row past y, where nothing may be written
+        assert cpu_build.load().pagedserve_coded_linear(x.data_ptr(), coded.data_ptr(), panels.data_ptr(),
+                                                        bias.data_ptr(), out.data_ptr(), m, n, k) == 0
+        assert torch.equal(_bits(out[:m]), _bits(y)) and bool((out[m] == 7.0).all()), m
         assert torch.equal(_bits(y), _bits(cpu_ops.packed_linear(x, panels, n, bias))), m
         ref = x.double() @ w.double().T + bias.double()
         scale = (x.double().abs() @ w.double().abs().T).clamp_min(1e-30)
