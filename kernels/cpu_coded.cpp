@@ -101,14 +101,9 @@ void coded_tile(const uint16_t* x, int64_t K, const uint8_t* units, Decoder d, c
     d.unit(units + 2 * UNIT, w[1], w[2]);
     pair_step<M>(x, K, k + 2, w, acc);
   }
-  for (int p = 0; p < P; ++p) {
-    alignas(64) float v[LANES];
-    for (int m = 0; m < M; ++m) {
-      _mm512_store_ps(v, acc[m][p]);
-      const int64_t c0 = n0 + p * LANES, cols = std::min<int64_t>(LANES, N - c0);
-      for (int j = 0; j < cols; ++j) store(y + m * N + c0 + j, v[j] + (bias ? load(bias + c0 + j) : 0.0f));
-    }
-  }
+  vf sums[MT][P];
+  std::memcpy(sums, acc, sizeof(vf) * M * P);  // the rows this tile used, in vf's form
+  store_tile<M, P>(sums, bias, y, N, n0, N);
 }
 
 void coded_linear(const uint16_t* x, const uint8_t* coded, const uint16_t* panels, const uint16_t* bias, uint16_t* y,
@@ -202,11 +197,13 @@ int pagedserve_coded_pack(const void* panels, int64_t N, int64_t K, void* out, i
   std::memcpy(o, &h, sizeof h);
   int64_t* offsets = reinterpret_cast<int64_t*>(o + HEADER);
   offsets[0] = 0;
+#pragma omp parallel for schedule(static)
   for (int64_t g = 0; g < groups; ++g) {  // each group's escapes, to place its side stream
     int64_t n = 0;
     for (int64_t i = 0; i < group_elems; ++i) n += code[w[g * group_elems + i] >> 8] == ESCAPE;
-    offsets[g + 1] = offsets[g] + n;
+    offsets[g + 1] = n;
   }
+  for (int64_t g = 0; g < groups; ++g) offsets[g + 1] += offsets[g];
   uint8_t* escaped = o + units_at + groups * group_bytes;
 #pragma omp parallel for schedule(static)
   for (int64_t g = 0; g < groups; ++g) {

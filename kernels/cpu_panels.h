@@ -77,6 +77,17 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* wp, vf (&acc)[MT]
   }
 }
 
+// A tile's sums (+ bias) into M rows of y, ldy apart, from feature n0; the last panel may be cut at N
+// (its padding features are not stored). Shared with the coded tile (cpu_coded.cpp).
+template <int M, int PP, typename T>
+inline void store_tile(const vf (&acc)[MT][P], const T* bias, T* y, int64_t N, int64_t n0, int64_t ldy) {
+  for (int p = 0; p < PP; ++p) {
+    const int64_t c0 = n0 + p * LANES, cols = std::min<int64_t>(LANES, N - c0);
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < cols; ++j) store(y + m * ldy + c0 + j, acc[m][p][j] + (bias ? load(bias + c0 + j) : 0.0f));
+  }
+}
+
 // M rows of x against PP panels from feature n0; the last panel may be cut at N; y's rows ldy apart.
 template <int M, int PP, typename T>
 inline void run_tile(const T* x, const T* wp, const T* bias, T* y, int64_t N, int64_t K, int64_t n0, int64_t ldy,
@@ -85,11 +96,7 @@ inline void run_tile(const T* x, const T* wp, const T* bias, T* y, int64_t N, in
   for (int m = 0; m < M; ++m)
     for (int p = 0; p < PP; ++p) acc[m][p] = vf{};
   tile<M, PP>(x, K, wp, acc, pf);
-  for (int p = 0; p < PP; ++p) {
-    const int64_t c0 = n0 + p * LANES, cols = std::min<int64_t>(LANES, N - c0);
-    for (int m = 0; m < M; ++m)
-      for (int j = 0; j < cols; ++j) store(y + m * ldy + c0 + j, acc[m][p][j] + (bias ? load(bias + c0 + j) : 0.0f));
-  }
+  store_tile<M, PP>(acc, bias, y, N, n0, ldy);
 }
 
 // All rows of x against PP panels, in ceil(M / MT) tiles of nearly equal rows
